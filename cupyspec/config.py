@@ -1,0 +1,90 @@
+"""Frozen configuration dataclasses: the model's shape and the engine's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cupyspec.speculative_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a llama-family decoder (llama, qwen2)."""
+
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # biases on the Q/K/V projections (qwen2)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("llama", "qwen2"):
+            raise ValueError(f"unsupported architecture {self.architecture!r} (supported: llama, qwen2)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, memory budget and prefix caching."""
+
+    block_size: int = 16
+    # Bytes for the KV pool. None: a fraction of free GPU memory, or 1 GiB on the CPU.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory after weights
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must lie in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_model_len: int | None = None  # None: the model's context length
+    max_waiting_requests: int = 1024  # a fuller queue refuses new requests (HTTP 503)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model: str = "smollm2-135m-instruct"  # a known name, a .gguf file or an HF directory
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    served_model_name: str | None = None
+    seed: int = 0  # seeds the generator of requests that give no seed
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")

@@ -1,0 +1,30 @@
+"""The paged KV cache's storage: one K and one V array per layer, addressed by slot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cupyspec.config import ModelConfig
+
+
+class KVCacheArrays:
+    """K/V blocks of every layer; the BlockManager decides which request owns which block."""
+
+    def __init__(self, xp: Any, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> None:
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = xp.zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, Hkv, D]
+        self.v = xp.zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, Hkv, D]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
+
+    def write(self, layer: int, slot_mapping: Any, k: Any, v: Any) -> None:
+        """Store k, v [T, Hkv, D] at flat slots slot_mapping [T] (block * block_size + offset)."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        self.k[layer].reshape(-1, num_kv_heads, head_dim)[slot_mapping] = k
+        self.v[layer].reshape(-1, num_kv_heads, head_dim)[slot_mapping] = v

@@ -1,0 +1,193 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cupyspec.config import SchedulerConfig
+from cupyspec.kv_cache import BlockManager
+from cupyspec.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step, captured when the step was formed."""
+
+    seq: Sequence
+    num_new_tokens: int  # tokens of seq.token_ids computed this step
+    num_computed_before: int  # seq.num_computed_tokens when scheduled: the segment's start position
+    num_tokens_before: int  # seq.num_tokens when scheduled
+    num_lookahead_tokens: int = 0  # extra KV slots reserved past the sequence's tokens (drafts)
+
+    @property
+    def samples(self) -> bool:
+        """The segment reaches the sequence's last token, so this step yields its next token."""
+        return self.num_computed_before + self.num_new_tokens == self.num_tokens_before
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.num_computed_before:self.num_computed_before + self.num_new_tokens]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The batch of one step."""
+
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...]  # back in the waiting queue, their KV freed
+    finished: tuple[Sequence, ...] = ()  # ended by the scheduler (KV pool exhausted: "length")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_lookahead_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    Running sequences are served first, in arrival order; when KV blocks run out the latest
+    arrival is preempted. Waiting sequences are then admitted in order while slots, tokens
+    and blocks last; the head of the queue is never skipped.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        if max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order
+        self.num_preemptions = 0
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        """The most positions one sequence's KV can ever occupy: the whole pool."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind every waiting one."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_ids or seq.num_computed_tokens:
+            raise ValueError("only a new, waiting sequence without KV can be added")
+        limit = min(self.max_tokens_per_seq, self.max_model_len)
+        if not 1 <= seq.num_tokens <= limit:
+            raise ValueError(f"prompt_token_ids must hold 1 to {limit} tokens, not {seq.num_tokens}")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq`: free its KV and drop it from the queues. Finishing twice does nothing."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        self.finish(seq, "abort")
+
+    def num_lookahead_tokens(self, seq: Sequence) -> int:
+        """KV slots to reserve past the last token of a sequence that samples (draft tokens)."""
+        return 0
+
+    def schedule(self) -> SchedulerOutput:
+        """Form the next step's batch within the token budget, the sequence limit and the KV pool."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        finished: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            item = self._try_schedule(seq, budget)
+            while item is None:
+                if len(self.running) == 1:  # alone and still short: the pool cannot hold it
+                    self.finish(seq, "length")
+                    finished.append(seq)
+                    break
+                victim = self.running.pop()  # the latest arrival
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+                item = self._try_schedule(seq, budget)
+            if item is None:
+                continue  # `seq` left the running list
+            scheduled.append(item)
+            budget -= item.num_new_tokens + item.num_lookahead_tokens
+            i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            self.block_manager.allocate_for_prefill(seq)
+            item = self._try_schedule(seq, budget)
+            if item is None:  # short of blocks: the head waits, nobody overtakes it
+                self.block_manager.cancel_prefill(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(item)
+            budget -= item.num_new_tokens + item.num_lookahead_tokens
+
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(finished))
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Count the step's tokens as computed and cache the blocks they filled."""
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            if seq.num_computed_tokens != item.num_computed_before:
+                raise RuntimeError(f"sequence {seq.seq_id} changed progress while its step ran")
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the queues or the KV books are inconsistent."""
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running sequences than max_num_seqs")
+        if any(s.status is not SequenceStatus.RUNNING for s in self.running):
+            raise AssertionError("a non-running sequence is in the running list")
+        if any(s.status is not SequenceStatus.WAITING or s.block_ids for s in self.waiting):
+            raise AssertionError("a waiting sequence is not waiting or holds KV blocks")
+        self.block_manager.check_invariants(self.running)
+
+    def _try_schedule(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Reserve KV for the next segment of `seq` within `budget` tokens; None if blocks are short."""
+        if seq.num_uncomputed_tokens < 1:
+            raise RuntimeError(f"sequence {seq.seq_id} has no token to compute")
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        lookahead = 0
+        if num_new == seq.num_uncomputed_tokens:
+            room = min(budget - num_new, self.max_model_len - seq.num_tokens)
+            lookahead = max(0, min(self.num_lookahead_tokens(seq), room))
+        if not self.block_manager.ensure_slots(seq, num_new + lookahead):
+            return None
+        return ScheduledSeq(seq, num_new, seq.num_computed_tokens, seq.num_tokens, lookahead)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the KV of `seq` and put it at the head of the queue; it is recomputed later."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,65 @@
+"""A sequence: one choice of one request, with its tokens, KV blocks and progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cupyspec.sampling.params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not started, or preempted (its KV freed; recomputed when resumed)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable state of one generated choice. Owned by the scheduler; the engine appends tokens."""
+
+    request_id: str
+    choice_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + the most output tokens allowed
+    arrival_time: float
+    rng: np.random.Generator  # draws the uniforms of this choice's sampled tokens
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)  # KV blocks, in position order
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to be computed (they need every prompt row's logits)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids

@@ -1,0 +1,84 @@
+"""`--speculative-config`: FastDeploy's keys, parsed from JSON and validated at start-up."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("naive", "ngram", "suffix", "mtp")
+VERIFY_STRATEGIES = ("rejection", "greedy", "target_match", "topp")
+ACCEPT_POLICIES = ("normal", "accept_all", "reject_all")
+MTP_STRATEGIES = ("default", "with_ngram")
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings. `method=None` means no speculation."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    num_model_steps: int = 1
+    model: str | None = None  # MTP weights
+    quantization: str | None = None
+    verify_strategy: str = "rejection"
+    accept_policy: str = "normal"
+    mtp_strategy: str = "default"
+    ngram_min: int = 1  # smallest n-gram the ngram proposer matches
+    ngram_max: int = 4  # largest n-gram, tried first
+    suffix_decoding_max_tree_depth: int = 64
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"speculative config: {message}")
+
+        need(self.method is None or self.method in METHODS, f"method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        need(isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens must be an integer from 0 to {MAX_SPECULATIVE_TOKENS}")
+        if self.method == "naive":
+            object.__setattr__(self, "num_speculative_tokens", 0)
+        need(isinstance(self.num_model_steps, int) and self.num_model_steps >= 1, "num_model_steps must be a positive integer")
+        need(self.method != "mtp" or self.num_speculative_tokens >= self.num_model_steps,
+             "num_speculative_tokens must be at least num_model_steps")
+        need(self.method != "mtp" or bool(self.model), "method 'mtp' needs 'model' (the MTP weights)")
+        need(self.verify_strategy in VERIFY_STRATEGIES, f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}")
+        need(self.accept_policy in ACCEPT_POLICIES, f"accept_policy must be one of {', '.join(ACCEPT_POLICIES)}")
+        need(self.mtp_strategy in MTP_STRATEGIES, f"mtp_strategy must be one of {', '.join(MTP_STRATEGIES)}")
+        need(isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max,
+             "ngram_min and ngram_max must be integers with 1 <= ngram_min <= ngram_max")
+        need(isinstance(self.suffix_decoding_max_tree_depth, int) and self.suffix_decoding_max_tree_depth >= 1,
+             "suffix_decoding_max_tree_depth must be a positive integer")
+        need(isinstance(self.suffix_decoding_max_cached_requests, int) and self.suffix_decoding_max_cached_requests >= -1,
+             "suffix_decoding_max_cached_requests must be an integer >= -1 (-1: unbounded)")
+        need(isinstance(self.suffix_decoding_max_spec_factor, (int, float)) and self.suffix_decoding_max_spec_factor > 0,
+             "suffix_decoding_max_spec_factor must be positive")
+        need(isinstance(self.suffix_decoding_min_token_prob, (int, float)) and 0 <= self.suffix_decoding_min_token_prob <= 1,
+             "suffix_decoding_min_token_prob must lie in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_json(cls, text: str | None) -> SpeculativeConfig:
+        """Parse `--speculative-config`; unknown keys and bad values raise ValueError."""
+        if not text:
+            return cls()
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if data.get("method") is None:
+            raise ValueError("speculative config: 'method' is required")
+        return cls(**data)

@@ -1,0 +1,108 @@
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from aiohttp import web
+
+from cupyspec.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from cupyspec.server.context import ServerContext, decode_body, json_response
+from cupyspec.server.logprobs import completion_logprobs, merge_completion_logprobs
+from cupyspec.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+                                      CompletionResponse)
+from cupyspec.server.sampling import Prompt, completion_params, completion_prompts
+from cupyspec.server.streaming import EngineStream, UsageCounter, engine_streams, merged, write_sse
+
+
+class CompletionJob:
+    """The running engine requests of one completions call, turned into OpenAI choices."""
+
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt], n: int,
+                 streams: list[EngineStream], request_id: str) -> None:
+        self.ctx, self.req, self.prompts, self.n, self.streams = ctx, req, prompts, n, streams
+        self.id = request_id
+        self.created = int(time.time())
+        self.usage = UsageCounter()
+        self._offsets: dict[int, int] = {}  # choice index -> characters of text so far (text_offset)
+
+    def _piece(self, index: int, text: str, token_ids: tuple[int, ...],
+               logprobs: tuple[TokenLogprob | None, ...] | None, finish_reason: str | None = None,
+               stop_reason: str | int | None = None) -> CompletionChoice:
+        formatted = None
+        if self.req.logprobs is not None and logprobs is not None:
+            formatted, self._offsets[index] = completion_logprobs(self.ctx.token_text, token_ids, logprobs,
+                                                                  self._offsets.get(index, 0))
+        return CompletionChoice(index=index, text=text, logprobs=formatted, finish_reason=finish_reason,
+                                stop_reason=stop_reason)
+
+    def _echo(self, prompt_index: int, first: RequestOutput) -> list[CompletionChoice]:
+        prompt = self.prompts[prompt_index]
+        text = prompt if isinstance(prompt, str) else self.ctx.engine.tokenizer.decode(list(prompt))
+        return [self._piece(prompt_index * self.n + i, text, first.prompt_token_ids, first.prompt_logprobs)
+                for i in range(self.n)]
+
+    def _delta(self, prompt_index: int, delta: CompletionDelta) -> CompletionChoice | None:
+        if not (delta.text or delta.token_ids or delta.finish_reason):
+            return None
+        return self._piece(prompt_index * self.n + delta.index, delta.text, delta.token_ids, delta.logprobs,
+                           delta.finish_reason, delta.stop_reason)
+
+    async def pieces(self) -> AsyncIterator[CompletionChoice]:
+        """Choice fragments in the order the engine produces them (echoed prompts first)."""
+        echoed: set[int] = set()
+        async with aclosing(merged(self.streams)) as outputs:
+            async for prompt_index, output in outputs:
+                self.usage.update(prompt_index, output)
+                if self.req.echo and prompt_index not in echoed:
+                    echoed.add(prompt_index)
+                    for piece in self._echo(prompt_index, output):
+                        yield piece
+                for delta in output.deltas:
+                    piece = self._delta(prompt_index, delta)
+                    if piece is not None:
+                        yield piece
+
+    async def chunks(self) -> AsyncIterator[CompletionChunk]:
+        async with aclosing(self.pieces()) as pieces:
+            async for piece in pieces:
+                yield CompletionChunk(id=self.id, object="text_completion", created=self.created,
+                                      model=self.ctx.model_name, choices=[piece])
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield CompletionChunk(id=self.id, object="text_completion", created=self.created,
+                                  model=self.ctx.model_name, choices=[], usage=self.usage.usage())
+
+    async def response(self) -> CompletionResponse:
+        parts: dict[int, list[CompletionChoice]] = {i: [] for i in range(len(self.prompts) * self.n)}
+        async with aclosing(self.pieces()) as pieces:
+            async for piece in pieces:
+                parts[piece.index].append(piece)
+        choices = []
+        for index, pieces_of_choice in parts.items():
+            logprobs: list[CompletionLogprobs] = [p.logprobs for p in pieces_of_choice if p.logprobs is not None]
+            last = pieces_of_choice[-1] if pieces_of_choice else None
+            choices.append(CompletionChoice(
+                index=index, text="".join(p.text for p in pieces_of_choice),
+                logprobs=merge_completion_logprobs(logprobs) if self.req.logprobs is not None else None,
+                finish_reason=last.finish_reason if last else None, stop_reason=last.stop_reason if last else None))
+        return CompletionResponse(id=self.id, object="text_completion", created=self.created,
+                                  model=self.ctx.model_name, choices=choices, usage=self.usage.usage())
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    ctx = ServerContext.of(request)
+    req = await decode_body(request, CompletionRequest)
+    ctx.check_model(req.model)
+    prompts = completion_prompts(req)
+    params = completion_params(req)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    requests = [(ctx.engine.generate(p, params, rid), rid) for p, rid in zip(prompts, ids)]
+    async with engine_streams(ctx.engine, requests) as streams:
+        job = CompletionJob(ctx, req, prompts, params.n, streams, request_id)
+        if req.stream:
+            return await write_sse(request, job.chunks())
+        return json_response(await job.response())
