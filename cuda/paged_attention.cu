@@ -36,7 +36,7 @@ extern "C" __global__ void paged_attention_f16(
     qv[i] = i < dims ? __half2float(qrow[i * WARP + lane]) * scale : 0.f;
     acc[i] = 0.f;
   }
-  float running_max = -INFINITY, running_sum = 0.f;
+  float running_max = __int_as_float(0xff800000), running_sum = 0.f;  // -inf
   const int* table = block_tables + (size_t)batch * max_blocks;
   for (int pos = 0; pos <= last; ++pos) {
     const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ def _compile(xp: Any, name: str) -> Any:
         module = xp.RawModule(code=path.read_text(), options=("-std=c++17", f"-I{cuda_source_dir()}"),
                               name_expressions=None)
         module.compile()
-    except xp.cuda.compiler.CompileException as exc:
-        raise RuntimeError(f"compiling {path} failed:\n{exc}") from None
+    except xp.cuda.compiler.CompileException as exc:  # name our file, not NVRTC's temporary copy
+        message = re.sub(r"\S+\.cubin\.cu", str(path), str(exc))
+        raise RuntimeError(f"compiling {path} failed:\n{message}") from None
     return module
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from cupyspec.config import EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
@@ -10,6 +12,14 @@ MAX_TOKENS = 24
 
 # (user message, the greedy answer's first MAX_TOKENS tokens as text)
 GOLDEN_PROMPTS: list[tuple[str, str]] = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Write a haiku about the sea.",
+     "The waves of the sea, a silent beauty,\nA gentle lapping of the shore,\nA reminder of the"),
+    ("List three primary colors.", "The primary colors are:\n\nRed: YELLOW\nBlue: WHITE"),
+    ("Explain what a CPU does in one sentence.",
+     "The CPU (Central Processing Unit) is the brain of a computer that executes instructions and performs "
+     "calculations."),
+    ("Translate 'good morning' into Spanish.", "Hoy, buen hora!"),
 ]
 
 
@@ -25,8 +35,6 @@ async def generate_greedy(model_path: str, device: str, prompts: list[str]) -> l
         return "".join(text)
 
     try:
-        import asyncio
-
         return list(await asyncio.gather(*(answer(p) for p in prompts)))
     finally:
         await engine.shutdown()

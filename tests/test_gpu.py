@@ -19,7 +19,7 @@ def test_paged_attention_kernel_matches_twin(query_lens):
     from cupyspec.model.attention import paged_attention, paged_attention_cuda
 
     rng = np.random.default_rng(len(query_lens) * 100 + sum(query_lens))
-    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 2048
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 16384
     batch_ids, positions, tables = [], [], np.zeros((len(query_lens), 64), dtype=np.int32)
     free = rng.permutation(num_blocks)
     for b, n in enumerate(query_lens):

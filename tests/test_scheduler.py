@@ -120,6 +120,20 @@ def test_preemption_of_the_latest_arrival_and_full_recompute():
     assert len(b.output_token_ids) == preempted_at + 1  # its output resumes after the recompute
 
 
+def test_no_admission_in_a_step_that_preempted():
+    # With budget left, b would come back at once with a short chunk and be preempted again.
+    sched = make_scheduler(num_blocks=6, block_size=4, caching=False, budget=4)
+    a, b = make_seq(8), make_seq(8, first_token=50)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(12):
+        out = step(sched)
+        if out.preempted:
+            break
+    assert out.preempted == (b,) and segments(out) == {a.seq_id: 1}
+    assert b.block_ids == [] and list(sched.waiting) == [b]
+
+
 def test_resumed_sequence_hits_its_own_cached_blocks():
     sched = make_scheduler(num_blocks=6, block_size=4, caching=True)
     a, b = make_seq(8), make_seq(8, first_token=50)

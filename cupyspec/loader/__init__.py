@@ -28,7 +28,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every weight a model with `config` has."""
     h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
@@ -45,7 +48,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (h, ffn),
         }
         if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {f"{p}self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
     return shapes
 
 

@@ -77,6 +77,11 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
         self._bytes_cache: dict[int, bytes] = {}
 
+    @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (shared, not a copy)."""
+        return self._hf
+
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._hf.id_to_token(token_id) or "")
 

@@ -1,0 +1,112 @@
+"""The Prometheus registry: values, histogram buckets and a valid text exposition."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from cupyspec.metrics import Counter, EngineMetrics, Histogram, format_labels, format_value
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
+
+
+@dataclass(frozen=True)
+class Stats:
+    num_running: int = 3
+    num_waiting: int = 2
+    num_kv_blocks: int = 200
+    num_used_kv_blocks: int = 50
+
+
+def parse_exposition(text: str) -> dict[str, tuple[str, dict[str, float]]]:
+    """family -> (type, {sample name with labels: value}); asserts the format's rules on the way."""
+    assert text.endswith("\n")
+    families: dict[str, tuple[str, dict[str, float]]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split()[2]
+            assert name not in families, f"family {name} declared twice"
+            current = name
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert name == current and kind in ("counter", "gauge", "histogram")
+            families[name] = (kind, {})
+        else:
+            match = SAMPLE.match(line)
+            assert match, f"bad sample line {line!r}"
+            sample, labels, value = match.group(1), match.group(2) or "", match.group(3)
+            assert current is not None and sample.startswith(current)
+            families[current][1][sample + labels] = float(value)
+    return families
+
+
+def test_engine_metrics_render() -> None:
+    m = EngineMetrics(model_name='we"ird\\name')
+    m.on_request_arrived()
+    m.on_request_arrived()
+    m.on_prompt_tokens(10)
+    m.on_generation_tokens(4)
+    m.on_generation_tokens(3)
+    for seconds in (0.003, 0.05, 0.05, 100.0):
+        m.observe_ttft(seconds)
+    m.observe_time_per_output_token(0.02)
+    m.observe_e2e_latency(1.2)
+    m.on_request_finished("stop")
+    m.on_request_finished("length")
+    m.on_request_finished("stop")
+    families = parse_exposition(m.render(Stats()))
+    label = 'model_name="we\\"ird\\\\name"'
+    assert families["cupyspec:num_requests_running"] == ("gauge", {f"cupyspec:num_requests_running{{{label}}}": 3})
+    assert families["cupyspec:kv_cache_usage_perc"][1] == {f"cupyspec:kv_cache_usage_perc{{{label}}}": 0.25}
+    assert families["cupyspec:prompt_tokens_total"][1] == {f"cupyspec:prompt_tokens_total{{{label}}}": 10}
+    assert families["cupyspec:generation_tokens_total"][1] == {f"cupyspec:generation_tokens_total{{{label}}}": 7}
+    assert families["cupyspec:requests_arrived_total"][1] == {f"cupyspec:requests_arrived_total{{{label}}}": 2}
+    success = families["cupyspec:request_success_total"]
+    assert success == ("counter", {f'cupyspec:request_success_total{{{label},finished_reason="length"}}': 1,
+                                   f'cupyspec:request_success_total{{{label},finished_reason="stop"}}': 2})
+    kind, ttft = families["cupyspec:time_to_first_token_seconds"]
+    name = "cupyspec:time_to_first_token_seconds"
+    assert kind == "histogram"
+    assert ttft[f'{name}_bucket{{{label},le="0.001"}}'] == 0
+    assert ttft[f'{name}_bucket{{{label},le="0.005"}}'] == 1
+    assert ttft[f'{name}_bucket{{{label},le="0.04"}}'] == 1
+    assert ttft[f'{name}_bucket{{{label},le="0.06"}}'] == 3
+    assert ttft[f'{name}_bucket{{{label},le="80"}}'] == 3
+    assert ttft[f'{name}_bucket{{{label},le="+Inf"}}'] == 4
+    assert ttft[f"{name}_count{{{label}}}"] == 4
+    assert math.isclose(ttft[f"{name}_sum{{{label}}}"], 100.103)
+    buckets = [v for k, v in ttft.items() if "_bucket" in k]
+    assert buckets == sorted(buckets)  # cumulative
+    assert {"cupyspec:time_per_output_token_seconds", "cupyspec:e2e_request_latency_seconds"} <= set(families)
+
+
+def test_empty_registry_is_valid() -> None:
+    families = parse_exposition(EngineMetrics().render(Stats(0, 0, 0, 0)))
+    assert families["cupyspec:kv_cache_usage_perc"][1] == {"cupyspec:kv_cache_usage_perc": 0}
+    assert families["cupyspec:request_success_total"] == ("counter", {})
+    assert families["cupyspec:e2e_request_latency_seconds"][1]['cupyspec:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 0
+
+
+def test_bucket_bounds_are_inclusive() -> None:
+    h = Histogram("h", "help", [1.0, 2.0])
+    for value in (1.0, 1.5, 2.0, 2.5):
+        h.observe(value)
+    lines = h.render(())
+    assert lines[2:] == ['h_bucket{le="1"} 1', 'h_bucket{le="2"} 3', 'h_bucket{le="+Inf"} 4', "h_sum 7", "h_count 4"]
+
+
+def test_counter_and_formatting_rules() -> None:
+    c = Counter("c_total", "help")
+    c.inc(2)
+    assert c.value() == 2
+    with pytest.raises(ValueError, match="cannot decrease"):
+        c.inc(-1)
+    with pytest.raises(ValueError, match="distinct"):
+        Histogram("h", "help", [1.0, 1.0])
+    assert [format_value(v) for v in (3, 0.25, math.inf, -math.inf, 1e-7)] == ["3", "0.25", "+Inf", "-Inf", "1e-07"]
+    assert format_value(math.nan) == "NaN"
+    assert format_labels([("a", 'x"\n\\')]) == '{a="x\\"\\n\\\\"}'
