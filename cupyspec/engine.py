@@ -228,6 +228,7 @@ class AsyncEngine:
                     await self._wake.wait()
                     continue
                 sched = self.scheduler.schedule()
+                self._finish_ended_by_scheduler(sched.finished)
                 if not sched.scheduled:
                     await asyncio.sleep(0)
                     continue
@@ -246,11 +247,25 @@ class AsyncEngine:
             request = self._requests.get(self._aborts.pop())
             if request is None:
                 continue
-            for seq, detok in zip(request.seqs, request.detokenizers):
+            for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
-                    request.pending.append(CompletionDelta(seq.choice_index, detok.flush(), (), None, "abort"))
+                    self._close_choice(request, seq, "abort")
             self._emit(request)
+
+    def _finish_ended_by_scheduler(self, seqs: tuple[Sequence, ...]) -> None:
+        """Sequences the scheduler ended (the KV pool cannot hold them) finish with "length"."""
+        for seq in seqs:
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                self._close_choice(request, seq, "length")
+                self._emit(request)
+
+    @staticmethod
+    def _close_choice(request: _Request, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        detok = request.detokenizers[seq.choice_index]
+        request.pending.append(CompletionDelta(seq.choice_index, detok.flush(), (), None, reason))
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Account the step's tokens, detokenize, apply stops and wake the callers."""

@@ -53,14 +53,13 @@ class ModelRunner:
         row = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
-            tokens = seq.token_ids
-            segments.append(Segment(tokens[start:start + n], start, list(seq.block_ids)))
+            segments.append(Segment(item.token_ids, start, list(seq.block_ids)))
             if seq.needs_prompt_logprobs:
                 for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(row + pos - start)
-                    prompt_targets.append(tokens[pos + 1])
+                    prompt_targets.append(seq.prompt_token_ids[pos + 1])
                     prompt_owner.append((i, pos + 1, seq.params.prompt_logprobs))
-            if start + n == seq.num_tokens:
+            if item.samples:
                 params = seq.params
                 sample_rows.append(row + n - 1)
                 sample_index.append(i)

@@ -302,7 +302,7 @@ def test_add_bos_prepends_once():
 
 
 def test_sentencepiece_style_token_bytes():
-    vocab = {"<unk>": 0, "<0x0A>": 1, "<0xC3>": 2, "\u2581hi": 3, "h": 4, "i": 5, "\u2581": 6}
+    vocab = {"<unk>": 0, "<0x0A>": 1, "<0xC3>": 2, "\u2581hi": 3, "h": 4, "i": 5, "\u2581": 6, "hi": 7}
     hf = HFTokenizer(models.BPE(vocab, [("h", "i"), ("\u2581", "hi")], unk_token="<unk>", byte_fallback=True))
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok = Tokenizer(hf, bos_token_id=None, eos_token_ids=(0,))
