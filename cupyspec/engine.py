@@ -105,7 +105,7 @@ class AsyncEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(model, kv, backend)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(self.model_name)
         self._requests: dict[str, _Request] = {}
         self._aborts: set[str] = set()
         self._rng = np.random.default_rng(config.seed)
@@ -329,6 +329,11 @@ class AsyncEngine:
             self.metrics.on_request_finished(seq.finish_reason or "abort")
 
     # ---------------------------------------------------------------- state
+
+    @property
+    def is_serving(self) -> bool:
+        """Takes requests: not shut down, and the step loop has not failed."""
+        return not self._closed and self._loop_task is not None and not self._loop_task.done()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -41,8 +41,11 @@ def format_labels(labels: Sequence[tuple[str, str]]) -> str:
     """`{a="x",b="y"}` with values escaped; empty when there are no labels."""
     if not labels:
         return ""
-    escaped = (v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for _, v in labels)
-    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, escaped)) + "}"
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _header(name: str, kind: str, help_text: str) -> list[str]:
@@ -92,7 +95,7 @@ class Histogram:
     def render(self, const_labels: Sequence[tuple[str, str]]) -> list[str]:
         lines = _header(self.name, "histogram", self.help_text)
         cumulative = 0
-        for bound, count in zip((*self.buckets, math.inf), self._counts):
+        for bound, count in zip((*self.buckets, math.inf), self._counts, strict=True):
             cumulative += count
             labels = format_labels([*const_labels, ("le", format_value(bound))])
             lines.append(f"{self.name}_bucket{labels} {cumulative}")

@@ -36,6 +36,8 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    if not ServerContext.of(request).engine.is_serving:
+        return web.Response(status=503, text="engine stopped")
     return web.Response(text="OK")
 
 

@@ -100,7 +100,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     params = completion_params(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    requests = [(ctx.engine.generate(p, params, rid), rid) for p, rid in zip(prompts, ids)]
+    requests = [(ctx.engine.generate(p, params, rid), rid) for p, rid in zip(prompts, ids, strict=True)]
     async with engine_streams(ctx.engine, requests) as streams:
         job = CompletionJob(ctx, req, prompts, params.n, streams, request_id)
         if req.stream:

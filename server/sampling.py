@@ -3,6 +3,7 @@ the engine does not make (unsupported OpenAI features, field combinations)."""
 
 from __future__ import annotations
 
+from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.server.errors import APIError
 from cupyspec.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -85,9 +86,16 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         raise _invalid("tools are not supported", "tools")
     if req.tool_choice not in (None, "none", "auto"):
         raise _invalid("tool_choice is not supported", "tool_choice")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    use_completion_tokens = req.max_completion_tokens is not None
+    max_tokens = req.max_completion_tokens if use_completion_tokens else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    try:
+        return _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    except InvalidRequestError as exc:  # name the chat field the client used
+        renamed = {"logprobs": "top_logprobs",
+                   "max_tokens": "max_completion_tokens" if use_completion_tokens else "max_tokens"}
+        param = renamed.get(exc.param or "", exc.param)
+        raise InvalidRequestError(str(exc).replace(exc.param or "", param or "", 1), param) from None
 
 
 def _message_text(message: ChatMessage, param: str) -> str:

@@ -50,7 +50,7 @@ class EngineStream:
         except StopAsyncIteration:
             first = None
         except BaseException:
-            await cls(engine, outputs, request_id, None).abort()
+            await _release(engine, outputs, request_id, abort=True)
             raise
         return cls(engine, outputs, request_id, first)
 
@@ -65,20 +65,21 @@ class EngineStream:
             yield output
         self.finished = True
 
-    async def abort(self) -> None:
-        """Free the request in the engine, whatever state it is in."""
-        self.finished = True
-        try:
-            await asyncio.shield(self._engine.abort(self.request_id))
-        finally:
-            await self._outputs.aclose()  # type: ignore[attr-defined]
-
     async def close(self) -> None:
         """Release the request: abort it unless it ran to its end. Safe to call again."""
-        if self.finished:
-            await self._outputs.aclose()  # type: ignore[attr-defined]
-        else:
-            await self.abort()
+        abort, self.finished = not self.finished, True
+        await _release(self._engine, self._outputs, self.request_id, abort)
+
+
+async def _release(engine: Aborter, outputs: AsyncIterator[RequestOutput], request_id: str, abort: bool) -> None:
+    """Abort the request in the engine (freeing its KV blocks) if asked, then close its iterator."""
+    try:
+        if abort:
+            await asyncio.shield(engine.abort(request_id))
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 @asynccontextmanager

@@ -190,7 +190,9 @@ def test_abort_and_closing_the_stream_free_kv_blocks(tiny_gguf):
                 break
             await asyncio.sleep(0.01)
         stats = engine.stats()
+        assert engine.is_serving
         await engine.shutdown()
+        assert not engine.is_serving
         return finals, stats
 
     finals, stats = run(main())

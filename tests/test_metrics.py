@@ -88,7 +88,8 @@ def test_empty_registry_is_valid() -> None:
     families = parse_exposition(EngineMetrics().render(Stats(0, 0, 0, 0)))
     assert families["cupyspec:kv_cache_usage_perc"][1] == {"cupyspec:kv_cache_usage_perc": 0}
     assert families["cupyspec:request_success_total"] == ("counter", {})
-    assert families["cupyspec:e2e_request_latency_seconds"][1]['cupyspec:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 0
+    e2e = families["cupyspec:e2e_request_latency_seconds"][1]
+    assert e2e['cupyspec:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 0
 
 
 def test_bucket_bounds_are_inclusive() -> None:

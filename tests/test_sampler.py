@@ -166,7 +166,9 @@ def test_penalties_steer_greedy_but_not_logprobs() -> None:
     logits = np.array([[3.0, 2.9, 0.0, -1.0]], dtype=np.float32)
     row = SamplingRow(SamplingParams(temperature=0.0, presence_penalty=0.5, logprobs=1),
                       0.0, output_token_ids=np.array([0]))
+    before = logits.copy()
     out = sample(np, logits, [row])
+    np.testing.assert_array_equal(logits, before)  # the caller's logits are left alone
     assert out.token_ids[0] == 1
     np.testing.assert_allclose(out.logprobs[0], np.log(softmax64(logits[0]))[1], atol=1e-5)
     assert out.top_token_ids[0, 0] == 0  # top-1 of the raw logits, before penalties
@@ -228,12 +230,12 @@ def _cupy_or_skip():
 def test_cupy_matches_numpy() -> None:
     cupy = _cupy_or_skip()
     rng = np.random.default_rng(11)
-    logits = (rng.normal(size=(64, 4096)) * 3).astype(np.float32)
+    logits = (rng.normal(size=(64, 49152)) * 3).astype(np.float32)
     kinds = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.9, top_p=0.9),
              SamplingParams(top_k=20, logprobs=5), SamplingParams(min_p=0.02, frequency_penalty=0.3,
                                                                   repetition_penalty=1.2)]
-    rows = [SamplingRow(kinds[i % 4], float(rng.random()), prompt_token_ids=rng.integers(0, 4096, 30),
-                        output_token_ids=rng.integers(0, 4096, 10)) for i in range(64)]
+    rows = [SamplingRow(kinds[i % 4], float(rng.random()), prompt_token_ids=rng.integers(0, 49152, 30),
+                        output_token_ids=rng.integers(0, 49152, 10)) for i in range(64)]
     host = sample(np, logits, rows)
     device = sample(cupy, cupy.asarray(logits), rows)
     np.testing.assert_array_equal(device.token_ids, host.token_ids)

@@ -84,7 +84,8 @@ def test_chat_params() -> None:
     p = chat_params(chat(logprobs=True))
     assert (p.max_tokens, p.logprobs, p.prompt_logprobs) == (None, 0, None)
     assert chat_params(chat(logprobs=False)).logprobs is None
-    for body, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+    for body, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens"),
                         ({"response_format": {"type": "json_object"}}, "response_format"),
                         ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice")]:
         assert api_error(chat_params, chat(**body)).param == param
@@ -174,12 +175,14 @@ def test_chat_logprobs_format() -> None:
 
 class ScriptedEngine:
     """Choice c emits letters from `a` + c, one per step, `max_tokens` of them. Prompts `bad`,
-    `full` and `crash` fail on the first iteration; `slow` takes 20 ms a step."""
+    `full` and `crash` fail on the first iteration, `late` after the first output; `slow` takes
+    20 ms a step."""
 
     def __init__(self) -> None:
         self.tokenizer = ByteTokenizer()
         self.model_name, self.max_model_len = "scripted", 64
         self.aborted: list[str] = []
+        self.is_serving = True
 
     async def generate(self, prompt, params, request_id):  # noqa: ANN001, ANN201
         errors = {"bad": InvalidRequestError("prompt is bad", "prompt"), "full": EngineOverloadedError("full"),
@@ -200,6 +203,8 @@ class ScriptedEngine:
                 deltas.append(CompletionDelta(c, chr(token), (token,), lps, "length" if last else None))
             yield RequestOutput(request_id, ids, tuple(deltas), len(ids), (step + 1) * params.n, last,
                                 prompt_lps if step == 0 else None)
+            if prompt == "late":
+                raise EngineClosedError("the engine failed")
 
     async def chat(self, messages, params, request_id):  # noqa: ANN001, ANN201
         async for output in self.generate(messages[-1]["content"], params, request_id):
@@ -269,6 +274,11 @@ def test_stream_formats() -> None:
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
         events = sse_events(await r.text())
         assert "".join(e["choices"][0]["text"] for e in events) == "abc" and "usage" not in events[-1]
+        r = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 3, "stream": True})
+        events = sse_events(await r.text())
+        assert r.status == 200 and events[0]["choices"][0]["text"] == "a"
+        assert events[1] == {"error": {"message": "the engine failed", "type": "server_error", "param": None,
+                                       "code": "engine_closed"}}
     with_client(test)
 
 

@@ -83,17 +83,17 @@ def _shortest(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _config(path: Path, meta: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer) -> ModelConfig:
+def _config(meta: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer) -> ModelConfig:
     arch = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
     if get("rope.scaling.type", "none") != "none":
-        raise ValueError(f"{path}: RoPE scaling {meta[f'{arch}.rope.scaling.type']!r} is unsupported")
+        raise ValueError(f"RoPE scaling {meta[f'{arch}.rope.scaling.type']!r} is unsupported")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     return ModelConfig(
         architecture=arch,
@@ -117,14 +117,21 @@ def _config(path: Path, meta: dict[str, Any], tensor_names: set[str], tokenizer:
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
     """Configuration, float32 weights (HF names, [out, in], rotate-half Q/K) and tokenizer of a GGUF file."""
     reader = _Reader(path)
+    try:
+        return _load(reader)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _load(reader: GGUFReader) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
     meta = {key: field.contents() for key, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is unsupported (supported: {', '.join(ARCHITECTURES)})")
+        raise ValueError(f"GGUF architecture {arch!r} is unsupported (supported: {', '.join(ARCHITECTURES)})")
     if "tokenizer.ggml.tokens" not in meta:
-        raise ValueError(f"{path}: GGUF metadata lacks the tokenizer (tokenizer.ggml.tokens)")
+        raise ValueError("GGUF metadata lacks the tokenizer (tokenizer.ggml.tokens)")
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    config = _config(path, meta, {t.name for t in reader.tensors}, tokenizer)
+    config = _config(meta, {t.name for t in reader.tensors}, tokenizer)
     names = [hf_name(t.name) for t in reader.tensors]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # numpy releases the GIL
         arrays = list(pool.map(read_tensor, reader.tensors))

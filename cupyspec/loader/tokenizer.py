@@ -73,8 +73,8 @@ class Tokenizer:
         added = hf.get_added_tokens_decoder()
         self._added_text = {i: t.content for i, t in added.items()}
         self._special = frozenset(i for i, t in added.items() if t.special)
-        spec = json.loads(hf.to_str())
-        self._byte_level = "ByteLevel" in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
+        parts = (c.__getstate__() for c in (hf.decoder, hf.pre_tokenizer) if c is not None)
+        self._byte_level = any(b'"ByteLevel"' in p for p in parts)  # else SentencePiece-style pieces
         self._bytes_cache: dict[int, bytes] = {}
 
     @property

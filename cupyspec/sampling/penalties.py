@@ -9,8 +9,8 @@ import numpy as np
 
 def scatter_add(xp: Any, target: Any, indices: tuple[Any, ...], values: Any) -> None:
     """target[indices] += values in place, accumulating repeated indices."""
-    if xp is np:
-        np.add.at(target, indices, values)
+    if hasattr(xp.add, "at"):  # NumPy; CuPy 13 and later
+        xp.add.at(target, indices, values)
     else:
         import cupyx
 

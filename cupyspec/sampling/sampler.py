@@ -44,15 +44,17 @@ def _sample_random(xp: Any, logits: Any, params: list[SamplingParams], uniforms:
     def column(values: list[float], dtype: Any) -> Any:  # host list -> [S, 1] on the device
         return xp.asarray(np.array(values, dtype=dtype))[:, None]
 
-    temperature = column([p.temperature for p in params], np.float32)
+    temperature = column([p.temperature for p in params], np.float64)
     top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], np.int64)
-    top_p = column([p.top_p for p in params], np.float32)
-    min_p = column([p.min_p for p in params], np.float32)
-    u = column(list(uniforms), np.float32)
+    top_p = column([p.top_p for p in params], np.float64)
+    min_p = column([p.min_p for p in params], np.float64)
+    u = column(list(uniforms), np.float64)
 
     order = stable_argsort(xp, -logits)  # [S, V] descending, ties by lower index
     ranked = xp.take_along_axis(logits, order, axis=1)  # [S, V]
-    probs = xp.exp((ranked - ranked[:, :1]) / temperature)  # [S, V] unnormalized, first one is 1
+    # float64 from here: a float32 cumsum over a large vocabulary drifts by more than a tail token's
+    # probability, which would make the pick depend on the summation order of the device
+    probs = xp.exp((ranked - ranked[:, :1]).astype(xp.float64) / temperature)  # [S, V] unnormalized, first is 1
     keep = xp.arange(vocab)[None, :] < top_k  # [S, V]
     probs = xp.where(keep, probs, 0.0)
     cum = xp.cumsum(probs, axis=1)  # [S, V]
