@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from cupyspec.outputs import SpeculateMetrics
 
 PREFIX = "cupyspec:"
 
@@ -121,6 +124,13 @@ class EngineMetrics:
                               "Time between successive output tokens of a request, in seconds.", TPOT_BUCKETS)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
                              "Time from arrival to the end of a request, in seconds.", E2E_BUCKETS)
+        self.spec_steps = Counter(f"{PREFIX}spec_decode_num_steps_total", "Decode steps through the verifier.")
+        self.spec_drafts = Counter(f"{PREFIX}spec_decode_num_draft_tokens_total", "Draft tokens proposed.")
+        self.spec_accepted = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_emitted = Counter(f"{PREFIX}spec_decode_num_emitted_tokens_total",
+                                    "Tokens emitted by verify steps (accepted drafts plus bonus tokens).")
+        self.spec_accepted_per_position = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total",
+                                                  "Draft tokens accepted, by draft position.", label="position")
 
     def on_request_arrived(self) -> None:
         self.requests_arrived.inc()
@@ -143,6 +153,15 @@ class EngineMetrics:
     def on_request_finished(self, finish_reason: str) -> None:
         self.request_success.inc(1, finish_reason)
 
+    def on_speculation(self, spec: SpeculateMetrics) -> None:
+        """Add a finished request's speculation counts."""
+        self.spec_steps.inc(spec.num_steps)
+        self.spec_drafts.inc(spec.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens)
+        self.spec_emitted.inc(spec.num_emitted_tokens)
+        for position, count in enumerate(spec.accepted_per_position):
+            self.spec_accepted_per_position.inc(count, str(position))
+
     def render(self, stats: StatsLike) -> str:
         """All metrics in the Prometheus text format (version 0.0.4), ending with a newline."""
         labels = format_labels(self.const_labels)
@@ -157,6 +176,7 @@ class EngineMetrics:
             lines += _header(PREFIX + name, "gauge", help_text)
             lines.append(f"{PREFIX}{name}{labels} {format_value(value)}")
         for metric in (self.requests_arrived, self.prompt_tokens, self.generation_tokens, self.request_success,
-                       self.ttft, self.tpot, self.e2e):
+                       self.ttft, self.tpot, self.e2e, self.spec_steps, self.spec_drafts, self.spec_accepted,
+                       self.spec_emitted, self.spec_accepted_per_position):
             lines += metric.render(self.const_labels)
         return "\n".join(lines) + "\n"

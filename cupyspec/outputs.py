@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cupyspec.spec.stats import SpecStats
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -27,6 +29,25 @@ class CompletionDelta:
 
 
 @dataclass(frozen=True)
+class SpeculateMetrics:
+    """What speculation did for one request (all choices together)."""
+
+    num_steps: int  # decode steps through the verifier
+    num_draft_tokens: int
+    num_accepted_tokens: int  # accepted drafts
+    num_emitted_tokens: int  # accepted drafts plus bonus tokens
+    acceptance_rate: float  # accepted / drafted
+    mean_acceptance_length: float  # emitted tokens / steps
+    accepted_per_position: tuple[int, ...]  # accepted drafts at each draft position
+
+    @classmethod
+    def from_stats(cls, stats: SpecStats) -> SpeculateMetrics:
+        return cls(stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_emitted_tokens,
+                   stats.acceptance_rate,
+                   stats.mean_acceptance_length, tuple(stats.accepted_per_position))
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One update of a request: deltas of the choices that moved."""
 
@@ -37,3 +58,4 @@ class RequestOutput:
     num_output_tokens: int  # emitted so far, all choices together
     finished: bool  # every choice has finished
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first update only; entry 0 is None
+    speculate_metrics: SpeculateMetrics | None = None  # the final update, when the engine speculates

@@ -1,9 +1,14 @@
-"""One forward pass plus sampling: from the scheduler's output to a token per sampling sequence."""
+"""One engine step on the device: forward pass, then sampling or verification of drafts.
+
+Without speculation each sequence that reaches its last token samples one token from its last
+row. With speculation its segment is [last token, d1..dk] and rows 0..k are verified together:
+the step emits the accepted drafts plus one bonus or correction token (k = 0 is plain decoding
+through the speculative path).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -14,7 +19,11 @@ from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.logprobs import compute_logprobs
 from cupyspec.sampling.sampler import SamplingRow, sample
+from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduler import SchedulerOutput
+from cupyspec.sequence import Sequence
+from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
 
 
 @dataclass(frozen=True)
@@ -22,86 +31,147 @@ class StepInputs:
     """Everything `run` needs, captured on the event loop so the worker thread reads no live state."""
 
     batch: FlatBatch
-    sample_rows: np.ndarray  # [S] int64: batch rows whose logits pick the next token
-    sampling: tuple[SamplingRow, ...]  # [S]
-    sample_seq_index: tuple[int, ...]  # [S]: index into the scheduled list
+    target_rows: np.ndarray  # [R] int64: batch rows whose logits pick (or verify) tokens
+    sampling: tuple[SamplingRow, ...]  # [R]
+    accept_uniforms: np.ndarray  # [R] float64: draws of the draft acceptance tests
+    owners: tuple[int, ...]  # [S]: scheduled index of each sampling sequence
+    first_row: np.ndarray  # [S+1] int64: its target rows are first_row[s]:first_row[s+1] of target_rows
+    drafts: np.ndarray  # [S, K] int64, PLACEHOLDER_TOKEN_ID past each sequence's drafts
+    num_drafts: np.ndarray  # [S] int64
+    top_logprobs: tuple[int | None, ...]  # [S]: logprobs asked by each sampling sequence
     prompt_rows: np.ndarray  # [P] int64: rows scoring the next prompt token
     prompt_targets: np.ndarray  # [P] int64: that next prompt token
     prompt_owner: tuple[tuple[int, int, int], ...]  # [P]: (scheduled index, target position, top k)
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """Per scheduled sequence: the sampled token (or None mid-prefill) and logprobs."""
+class SeqStepOutput:
+    """What one scheduled sequence got from the step."""
 
-    token_ids: tuple[int | None, ...]
-    logprobs: tuple[TokenLogprob | None, ...]
-    prompt_logprobs: tuple[tuple[tuple[int, TokenLogprob], ...], ...]  # (position, logprob) pairs
+    token_ids: tuple[int, ...] = ()  # emitted tokens; empty for a prefill chunk that ends mid-prompt
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when asked
+    num_drafts: int = 0
+    accepted: tuple[bool, ...] = ()  # per draft
+    prompt_logprobs: tuple[tuple[int, TokenLogprob], ...] = ()  # (prompt position, logprob)
 
 
 def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
     return TokenLogprob(int(token_id), float(logprob), tuple(zip(top_ids[:k].tolist(), top_lps[:k].tolist())))
 
 
+def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+    """Rows for positions num_tokens .. num_tokens + len(drafts): penalties see the drafts before."""
+    params = seq.params
+    prompt = np.asarray(seq.prompt_token_ids) if params.repetition_penalty != 1.0 else None
+    return [SamplingRow(params=params, uniform=0.0, prompt_token_ids=prompt,
+                        output_token_ids=np.asarray(seq.output_token_ids + drafts[:j]) if params.has_penalties else None)
+            for j in range(len(drafts) + 1)]
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend) -> None:
-        self.model, self.kv, self.backend = model, kv, backend
+    def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig) -> None:
+        self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        segments, sample_rows, sampling, sample_index = [], [], [], []
+        segments: list[Segment] = []
+        target_rows, sampling, keys, positions = [], [], [], []
+        owners, first_row, draft_lists, top_logprobs = [], [0], [], []
         prompt_rows, prompt_targets, prompt_owner = [], [], []
         row = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
-            segments.append(Segment(item.token_ids, start, list(seq.block_ids)))
+            drafts = seq.draft_token_ids[:item.num_lookahead_tokens]
+            segments.append(Segment(item.token_ids + drafts, start, list(seq.block_ids)))
             if seq.needs_prompt_logprobs:
                 for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(row + pos - start)
                     prompt_targets.append(seq.prompt_token_ids[pos + 1])
                     prompt_owner.append((i, pos + 1, seq.params.prompt_logprobs))
             if item.samples:
-                params = seq.params
-                sample_rows.append(row + n - 1)
-                sample_index.append(i)
-                sampling.append(SamplingRow(
-                    params=params,
-                    uniform=0.0 if params.greedy else float(seq.rng.random()),
-                    prompt_token_ids=np.asarray(seq.prompt_token_ids) if params.repetition_penalty != 1.0 else None,
-                    output_token_ids=np.asarray(seq.output_token_ids) if params.has_penalties else None,
-                ))
-            row += n
+                owners.append(i)
+                draft_lists.append(drafts)
+                top_logprobs.append(seq.params.logprobs)
+                target_rows.extend(range(row + n - 1, row + n + len(drafts)))
+                sampling.extend(_sampling_rows(seq, drafts))
+                keys.extend([seq.sampling_key] * (len(drafts) + 1))
+                positions.extend(range(seq.num_tokens, seq.num_tokens + len(drafts) + 1))
+                first_row.append(len(target_rows))
+            row += n + len(drafts)
+        keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
+        uniforms = counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM)
+        sampling = [SamplingRow(r.params, 0.0 if r.params.greedy else float(u), r.prompt_token_ids,
+                                r.output_token_ids) for r, u in zip(sampling, uniforms)]
+        max_drafts = max((len(d) for d in draft_lists), default=0)
+        drafts_arr = np.full((len(draft_lists), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        for s, d in enumerate(draft_lists):
+            drafts_arr[s, :len(d)] = d
         return StepInputs(
             batch=build_flat_batch(segments, self.kv.block_size),
-            sample_rows=np.asarray(sample_rows, dtype=np.int64),
+            target_rows=np.asarray(target_rows, dtype=np.int64),
             sampling=tuple(sampling),
-            sample_seq_index=tuple(sample_index),
+            accept_uniforms=counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM),
+            owners=tuple(owners),
+            first_row=np.asarray(first_row, dtype=np.int64),
+            drafts=drafts_arr,
+            num_drafts=np.array([len(d) for d in draft_lists], dtype=np.int64),
+            top_logprobs=tuple(top_logprobs),
             prompt_rows=np.asarray(prompt_rows, dtype=np.int64),
             prompt_targets=np.asarray(prompt_targets, dtype=np.int64),
             prompt_owner=tuple(prompt_owner),
         )
 
-    def run(self, inputs: StepInputs) -> StepResult:
-        """The forward pass and sampling; safe to call from a worker thread."""
+    def run(self, inputs: StepInputs) -> list[SeqStepOutput]:
+        """The forward pass, sampling or verification, and logprobs; safe in a worker thread."""
         xp = self.backend.xp
-        num_seqs = inputs.batch.num_seqs
         hidden = self.model.forward(inputs.batch, self.kv)  # [T, H]
-        token_ids: list[int | None] = [None] * num_seqs
-        logprobs: list[TokenLogprob | None] = [None] * num_seqs
-        prompt_lps: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(num_seqs)]
-        if len(inputs.sample_rows):
-            logits = self.model.compute_logits(hidden[xp.asarray(inputs.sample_rows)])  # [S, V]
-            out = sample(xp, logits, list(inputs.sampling))
-            for j, i in enumerate(inputs.sample_seq_index):
-                token_ids[i] = int(out.token_ids[j])
-                k = inputs.sampling[j].params.logprobs
-                if k is not None:
-                    logprobs[i] = _token_logprob(out.token_ids[j], out.logprobs[j], out.top_token_ids[j],
-                                                 out.top_logprobs[j], k)
+        outputs = [SeqStepOutput() for _ in range(inputs.batch.num_seqs)]
+        if len(inputs.target_rows):
+            logits = self.model.compute_logits(hidden[xp.asarray(inputs.target_rows)])  # [R, V]
+            for s, out in self._emit(xp, logits, inputs).items():
+                outputs[inputs.owners[s]] = out
         if len(inputs.prompt_rows):
             logits = self.model.compute_logits(hidden[xp.asarray(inputs.prompt_rows)])  # [P, V]
             k_max = max(k for _, _, k in inputs.prompt_owner)
             lps, top_ids, top_lps = compute_logprobs(xp, logits, inputs.prompt_targets, k_max)
+            per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
             for j, (i, position, k) in enumerate(inputs.prompt_owner):
-                prompt_lps[i].append((position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j],
-                                                               top_lps[j], k)))
-        return StepResult(tuple(token_ids), tuple(logprobs), tuple(tuple(p) for p in prompt_lps))
+                per_seq.setdefault(i, []).append(
+                    (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
+            for i, pairs in per_seq.items():
+                out = outputs[i]
+                outputs[i] = SeqStepOutput(out.token_ids, out.logprobs, out.num_drafts, out.accepted, tuple(pairs))
+        return outputs
+
+    def _emit(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
+        """Tokens (and their logprobs) of every sampling sequence, from its target rows' logits [R, V]."""
+        num_seqs = len(inputs.owners)
+        wanted = [k for k in inputs.top_logprobs if k is not None]
+        if not self.speculative.enabled:  # one row per sequence: plain sampling
+            out = sample(xp, logits, list(inputs.sampling))
+            accept_num = np.ones(num_seqs, dtype=np.int64)
+            accepted = np.zeros((num_seqs, 0), dtype=bool)
+            emitted_tokens = out.token_ids
+            lps, top_ids, top_lps = out.logprobs, out.top_token_ids, out.top_logprobs
+        else:
+            result = verify(xp, logits, VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling,
+                                                    inputs.accept_uniforms),
+                            self.speculative.verify_strategy, self.speculative.accept_policy)
+            accept_num, accepted = result.accept_num, result.accepted_mask
+            emitted_rows = np.concatenate([inputs.first_row[s] + np.arange(accept_num[s]) for s in range(num_seqs)])
+            emitted_tokens = np.concatenate([result.output_token_ids[s, :accept_num[s]] for s in range(num_seqs)])
+            lps = top_ids = top_lps = None
+            if wanted:  # logprobs of the emitted tokens under the raw logits of their rows
+                lps, top_ids, top_lps = compute_logprobs(xp, logits[xp.asarray(emitted_rows)], emitted_tokens,
+                                                         max(wanted))
+        results, offset = {}, 0
+        for s in range(num_seqs):
+            count, k = int(accept_num[s]), inputs.top_logprobs[s]
+            seq_tokens = tuple(int(t) for t in emitted_tokens[offset:offset + count])
+            logprobs = None
+            if k is not None:
+                logprobs = tuple(_token_logprob(t, lps[offset + j], top_ids[offset + j], top_lps[offset + j], k)
+                                 for j, t in enumerate(seq_tokens))
+            num_drafts = int(inputs.num_drafts[s])
+            results[s] = SeqStepOutput(seq_tokens, logprobs, num_drafts, tuple(bool(a) for a in accepted[s, :num_drafts]))
+            offset += count
+        return results

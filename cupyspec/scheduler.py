@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 from cupyspec.config import SchedulerConfig
@@ -103,8 +104,8 @@ class Scheduler:
         self.finish(seq, "abort")
 
     def num_lookahead_tokens(self, seq: Sequence) -> int:
-        """KV slots to reserve past the last token of a sequence that samples (draft tokens)."""
-        return 0
+        """KV slots to reserve past the last token of a sequence that samples: its drafts."""
+        return len(seq.draft_token_ids)
 
     def schedule(self) -> SchedulerOutput:
         """Form the next step's batch within the token budget, the sequence limit and the KV pool."""
@@ -150,15 +151,22 @@ class Scheduler:
 
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(finished))
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Count the step's tokens as computed and cache the blocks they filled."""
-        for item in output.scheduled:
+    def update_after_step(self, output: SchedulerOutput, num_accepted_drafts: Sequence_[int] = ()) -> None:
+        """Count the step's tokens as computed and cache the blocks they filled.
+
+        `num_accepted_drafts[i]` (aligned with output.scheduled; default 0) counts the drafts of
+        sequence i whose K/V stay: the engine has appended them to the sequence's tokens. The K/V
+        of rejected drafts is dropped: whole blocks past the computed tokens go back to the pool.
+        """
+        for i, item in enumerate(output.scheduled):
             seq = item.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.is_finished:  # aborted or stopped while the step ran
                 continue
             if seq.num_computed_tokens != item.num_computed_before:
                 raise RuntimeError(f"sequence {seq.seq_id} changed progress while its step ran")
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens + (num_accepted_drafts[i] if num_accepted_drafts else 0)
+            if item.num_lookahead_tokens:
+                self.block_manager.truncate(seq, seq.num_computed_tokens)
             self.block_manager.commit(seq)
 
     def check_invariants(self) -> None:

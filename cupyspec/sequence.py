@@ -6,9 +6,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec.stats import SpecStats
 
 _seq_ids = itertools.count()
 
@@ -29,13 +28,16 @@ class Sequence:
     params: SamplingParams
     max_total_tokens: int  # prompt + the most output tokens allowed
     arrival_time: float
-    rng: np.random.Generator  # draws the uniforms of this choice's sampled tokens
+    sampling_key: int  # 64-bit key of this choice's random draws (cupyspec.sampling.uniforms)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # KV blocks, in position order
     num_preemptions: int = 0
+    max_drafts: int = 0  # this choice's cap on draft tokens per step (0: no speculation)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
+    spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from cupyspec.errors import InvalidRequestError
+
 METHODS = ("naive", "ngram", "suffix", "mtp")
 VERIFY_STRATEGIES = ("rejection", "greedy", "target_match", "topp")
 ACCEPT_POLICIES = ("normal", "accept_all", "reject_all")
@@ -28,9 +30,11 @@ class SpeculativeConfig:
     ngram_min: int = 1  # smallest n-gram the ngram proposer matches
     ngram_max: int = 4  # largest n-gram, tried first
     suffix_decoding_max_tree_depth: int = 64
-    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    max_draft_tokens_per_step: int = 256  # drafts in one step, all sequences together (back-off)
+    min_acceptance_rate: float = 0.1  # a sequence accepting less stops drafting, probing now and then
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -60,6 +64,11 @@ class SpeculativeConfig:
         need(isinstance(self.suffix_decoding_min_token_prob, (int, float)) and 0 <= self.suffix_decoding_min_token_prob <= 1,
              "suffix_decoding_min_token_prob must lie in [0, 1]")
 
+        need(isinstance(self.max_draft_tokens_per_step, int) and self.max_draft_tokens_per_step >= 0,
+             "max_draft_tokens_per_step must be a non-negative integer")
+        need(isinstance(self.min_acceptance_rate, (int, float)) and 0 <= self.min_acceptance_rate <= 1,
+             "min_acceptance_rate must lie in [0, 1]")
+
     @property
     def enabled(self) -> bool:
         return self.method is not None
@@ -82,3 +91,27 @@ class SpeculativeConfig:
         if data.get("method") is None:
             raise ValueError("speculative config: 'method' is required")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class RequestSpeculation:
+    """A request's own speculation setting (body field `speculative`): fewer drafts, or none."""
+
+    num_speculative_tokens: int | None = None  # None: the server's number; 0: no speculation
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise InvalidRequestError("speculative.num_speculative_tokens must be a non-negative integer",
+                                      "speculative.num_speculative_tokens")
+
+    def drafts_within(self, config: SpeculativeConfig) -> int:
+        """Drafts per step for this request; asking for more than the server allows is an error."""
+        allowed = config.num_speculative_tokens if config.enabled else 0
+        if self.num_speculative_tokens is None:
+            return allowed
+        if self.num_speculative_tokens > allowed:
+            raise InvalidRequestError(
+                f"speculative.num_speculative_tokens may be at most {allowed}, the server's setting",
+                "speculative.num_speculative_tokens")
+        return self.num_speculative_tokens

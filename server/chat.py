@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: one engine request with n choices."""
+"""POST /v1/chat/completions: one engine request with n choices.
+
+With speculation on, `speculate_metrics` is a top-level field of the response, and of a
+stream's last chunk before `data: [DONE]` (the usage chunk if asked for, else the chunk with
+the last finish reason).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from cupyspec.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                       ChatTokenLogprob)
 from cupyspec.server.sampling import chat_messages, chat_params
-from cupyspec.server.streaming import EngineStream, UsageCounter, engine_streams, merged, write_sse
+from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
+from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
+                                       write_sse)
 
 
 class ChatJob:
@@ -28,47 +35,53 @@ class ChatJob:
         self.id = request_id
         self.created = int(time.time())
         self.usage = UsageCounter()
+        self.spec = SpeculateMetricsSum(1)
 
     def _logprobs(self, delta: CompletionDelta) -> list[ChatTokenLogprob] | None:
         if not self.req.logprobs or delta.logprobs is None:
             return None
         return chat_logprobs(self.ctx.token_text, delta.logprobs)
 
-    async def deltas(self) -> AsyncIterator[CompletionDelta]:
+    async def deltas(self) -> AsyncIterator[tuple[CompletionDelta, bool]]:
+        """The deltas that carry something, each with whether it is the request's last."""
         async with aclosing(merged([self.stream])) as outputs:
             async for _, output in outputs:
                 self.usage.update(0, output)
-                for delta in output.deltas:
-                    if delta.text or delta.token_ids or delta.finish_reason:
-                        yield delta
+                self.spec.update(output)
+                moving = [d for d in output.deltas if d.text or d.token_ids or d.finish_reason]
+                for i, delta in enumerate(moving):
+                    yield delta, self.spec.complete and i == len(moving) - 1
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: bool = False) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: bool = False, last: bool = False) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                    model=self.ctx.model_name, choices=choices,
-                                   usage=self.usage.usage() if usage else None)
+                                   usage=self.usage.usage() if usage else None,
+                                   speculate_metrics=self.spec.result() if last else None)
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
-        """A role chunk per choice, then content chunks; the last of each choice has its finish reason."""
+        """A role chunk per choice, then content chunks; the last of each choice has its finish reason.
+        The stream's last chunk carries speculate_metrics."""
+        usage_chunk = include_usage(self.req.stream_options)
         for index in range(self.n):
             role = ChatDelta(role="assistant", content="")
             yield self._chunk([ChatChunkChoice(index=index, delta=role, logprobs=None, finish_reason=None)])
         async with aclosing(self.deltas()) as deltas:
-            async for delta in deltas:
+            async for delta, last in deltas:
                 content = self._logprobs(delta)
                 choice = ChatChunkChoice(
                     index=delta.index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
                     logprobs=ChatLogprobs(content) if content is not None else None,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                yield self._chunk([choice])
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield self._chunk([], usage=True)
+                yield self._chunk([choice], last=last and not usage_chunk)
+        if usage_chunk:
+            yield self._chunk([], usage=True, last=True)
 
     async def response(self) -> ChatCompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self.n)]
         logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(self.n)]
         finals: list[CompletionDelta | None] = [None] * self.n
         async with aclosing(self.deltas()) as deltas:
-            async for delta in deltas:
+            async for delta, _last in deltas:
                 texts[delta.index].append(delta.text)
                 logprobs[delta.index] += self._logprobs(delta) or []
                 finals[delta.index] = delta
@@ -80,7 +93,8 @@ class ChatJob:
             for i, final in enumerate(finals)
         ]
         return ChatCompletionResponse(id=self.id, object="chat.completion", created=self.created,
-                                      model=self.ctx.model_name, choices=choices, usage=self.usage.usage())
+                                      model=self.ctx.model_name, choices=choices, usage=self.usage.usage(),
+                                      speculate_metrics=self.spec.result())
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
@@ -89,8 +103,10 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     ctx.check_model(req.model)
     messages = chat_messages(req)
     params = chat_params(req)
+    speculation = request_speculation(req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    async with engine_streams(ctx.engine, [(ctx.engine.chat(messages, params, request_id), request_id)]) as streams:
+    outputs = ctx.engine.chat(messages, params, request_id, speculation=speculation)
+    async with engine_streams(ctx.engine, [(outputs, request_id)]) as streams:
         job = ChatJob(ctx, req, params.n, streams[0], request_id)
         if req.stream:
             return await write_sse(request, job.chunks())

@@ -1,4 +1,9 @@
-"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice."""
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice.
+
+With speculation on, `speculate_metrics` (summed over the prompts) is a top-level field of the
+response, and of a stream's last chunk before `data: [DONE]` (the usage chunk if asked for, else
+the chunk with the last finish reason).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from cupyspec.server.logprobs import completion_logprobs, merge_completion_logpr
 from cupyspec.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse)
 from cupyspec.server.sampling import Prompt, completion_params, completion_prompts
-from cupyspec.server.streaming import EngineStream, UsageCounter, engine_streams, merged, write_sse
+from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
+from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
+                                       write_sse)
 
 
 class CompletionJob:
@@ -27,6 +34,7 @@ class CompletionJob:
         self.id = request_id
         self.created = int(time.time())
         self.usage = UsageCounter()
+        self.spec = SpeculateMetricsSum(len(streams))
         self._offsets: dict[int, int] = {}  # choice index -> characters of text so far (text_offset)
 
     def _piece(self, index: int, text: str, token_ids: tuple[int, ...],
@@ -51,34 +59,40 @@ class CompletionJob:
         return self._piece(prompt_index * self.n + delta.index, delta.text, delta.token_ids, delta.logprobs,
                            delta.finish_reason, delta.stop_reason)
 
-    async def pieces(self) -> AsyncIterator[CompletionChoice]:
-        """Choice fragments in the order the engine produces them (echoed prompts first)."""
+    async def pieces(self) -> AsyncIterator[tuple[CompletionChoice, bool]]:
+        """Choice fragments in the order the engine produces them (echoed prompts first), each with
+        whether it is the last of all."""
         echoed: set[int] = set()
         async with aclosing(merged(self.streams)) as outputs:
             async for prompt_index, output in outputs:
                 self.usage.update(prompt_index, output)
+                self.spec.update(output)
                 if self.req.echo and prompt_index not in echoed:
                     echoed.add(prompt_index)
                     for piece in self._echo(prompt_index, output):
-                        yield piece
-                for delta in output.deltas:
-                    piece = self._delta(prompt_index, delta)
-                    if piece is not None:
-                        yield piece
+                        yield piece, False
+                moving = [p for p in (self._delta(prompt_index, d) for d in output.deltas) if p is not None]
+                for i, piece in enumerate(moving):
+                    yield piece, self.spec.complete and i == len(moving) - 1
+
+    def _chunk(self, choices: list[CompletionChoice], usage: bool = False, last: bool = False) -> CompletionChunk:
+        return CompletionChunk(id=self.id, object="text_completion", created=self.created, model=self.ctx.model_name,
+                               choices=choices, usage=self.usage.usage() if usage else None,
+                               speculate_metrics=self.spec.result() if last else None)
 
     async def chunks(self) -> AsyncIterator[CompletionChunk]:
+        """One chunk per fragment, then the usage chunk if asked for; the last carries speculate_metrics."""
+        usage_chunk = include_usage(self.req.stream_options)
         async with aclosing(self.pieces()) as pieces:
-            async for piece in pieces:
-                yield CompletionChunk(id=self.id, object="text_completion", created=self.created,
-                                      model=self.ctx.model_name, choices=[piece])
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield CompletionChunk(id=self.id, object="text_completion", created=self.created,
-                                  model=self.ctx.model_name, choices=[], usage=self.usage.usage())
+            async for piece, last in pieces:
+                yield self._chunk([piece], last=last and not usage_chunk)
+        if usage_chunk:
+            yield self._chunk([], usage=True, last=True)
 
     async def response(self) -> CompletionResponse:
         parts: dict[int, list[CompletionChoice]] = {i: [] for i in range(len(self.prompts) * self.n)}
         async with aclosing(self.pieces()) as pieces:
-            async for piece in pieces:
+            async for piece, _last in pieces:
                 parts[piece.index].append(piece)
         choices = []
         for index, pieces_of_choice in parts.items():
@@ -89,7 +103,8 @@ class CompletionJob:
                 logprobs=merge_completion_logprobs(logprobs) if self.req.logprobs is not None else None,
                 finish_reason=last.finish_reason if last else None, stop_reason=last.stop_reason if last else None))
         return CompletionResponse(id=self.id, object="text_completion", created=self.created,
-                                  model=self.ctx.model_name, choices=choices, usage=self.usage.usage())
+                                  model=self.ctx.model_name, choices=choices, usage=self.usage.usage(),
+                                  speculate_metrics=self.spec.result())
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -98,9 +113,11 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     ctx.check_model(req.model)
     prompts = completion_prompts(req)
     params = completion_params(req)
+    speculation = request_speculation(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    requests = [(ctx.engine.generate(p, params, rid), rid) for p, rid in zip(prompts, ids, strict=True)]
+    requests = [(ctx.engine.generate(p, params, rid, speculation=speculation), rid)
+                for p, rid in zip(prompts, ids, strict=True)]
     async with engine_streams(ctx.engine, requests) as streams:
         job = CompletionJob(ctx, req, prompts, params.n, streams, request_id)
         if req.stream:

@@ -17,7 +17,7 @@ log = logging.getLogger("cupyspec.server")
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 503: "server_error"}
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
+_FIELD = re.compile(r"(?:missing required|unknown) field `([^`]+)`")
 
 
 class APIError(Exception):
@@ -41,12 +41,13 @@ class APIError(Exception):
 
 
 def validation_param(message: str) -> str | None:
-    """The request field a msgspec validation message points at, e.g. `messages[0].role`."""
+    """The request field a msgspec validation message points at, e.g. `messages[0].role`, or the
+    missing or unknown field it names, e.g. `speculative.foo`."""
     path_match = _PATH.search(message)
     path = path_match.group(1) if path_match else ""
-    missing = _MISSING.search(message)
-    if missing:
-        return f"{path}.{missing.group(1)}" if path else missing.group(1)
+    named = _FIELD.search(message)
+    if named:
+        return f"{path}.{named.group(1)}" if path else named.group(1)
     return path or None
 
 

@@ -17,8 +17,15 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
 
 
+class SpeculativeOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The body field `speculative`: this request's own speculation setting."""
+
+    num_speculative_tokens: int | None = None  # null: the server's number; 0: no speculation
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields both generation endpoints share: sampling, stopping, penalties and vLLM's extras."""
+    """Fields both generation endpoints share: sampling, stopping, penalties, vLLM's extras and
+    `speculative`."""
 
     model: str | None = None
     temperature: float | None = None
@@ -39,6 +46,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    speculative: SpeculativeOptions | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -86,6 +94,18 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class SpeculateMetricsInfo(msgspec.Struct):
+    """What speculation did for a response, all its choices (and prompts) together."""
+
+    num_steps: int  # decode steps through the verifier
+    num_draft_tokens: int
+    num_accepted_tokens: int  # accepted drafts
+    num_emitted_tokens: int  # accepted drafts plus bonus tokens
+    acceptance_rate: float  # accepted / drafted
+    mean_acceptance_length: float  # emitted / steps
+    accepted_per_position: list[int]  # accepted drafts at each draft position
+
+
 class CompletionLogprobs(msgspec.Struct):
     """The legacy completions format: parallel lists, one entry per token."""
 
@@ -103,13 +123,14 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(msgspec.Struct):
+class CompletionResponse(msgspec.Struct, omit_defaults=True):
     id: str
     object: str  # "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    speculate_metrics: SpeculateMetricsInfo | None = None  # only when the server speculates
 
 
 class CompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -119,6 +140,7 @@ class CompletionChunk(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None  # only on the final usage chunk
+    speculate_metrics: SpeculateMetricsInfo | None = None  # only on the stream's last chunk
 
 
 class TopLogprob(msgspec.Struct):
@@ -151,13 +173,14 @@ class ChatChoice(msgspec.Struct):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(msgspec.Struct):
+class ChatCompletionResponse(msgspec.Struct, omit_defaults=True):
     id: str
     object: str  # "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    speculate_metrics: SpeculateMetricsInfo | None = None  # only when the server speculates
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -180,6 +203,7 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # only on the final usage chunk
+    speculate_metrics: SpeculateMetricsInfo | None = None  # only on the stream's last chunk
 
 
 class ModelCard(msgspec.Struct):

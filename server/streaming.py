@@ -19,7 +19,7 @@ from aiohttp import web
 
 from cupyspec.outputs import RequestOutput
 from cupyspec.server.errors import internal_error, to_api_error
-from cupyspec.server.protocol import Usage
+from cupyspec.server.protocol import StreamOptions, Usage
 
 log = logging.getLogger("cupyspec.server")
 
@@ -155,6 +155,11 @@ class UsageCounter:
     def usage(self) -> Usage:
         prompt, completion = sum(self._prompt.values()), sum(self._completion.values())
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def include_usage(options: StreamOptions | None) -> bool:
+    """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+    return options is not None and bool(options.include_usage)
 
 
 def sse_event(payload: Any) -> bytes:

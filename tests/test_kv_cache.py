@@ -12,7 +12,7 @@ from cupyspec.sequence import Sequence
 
 def make_seq(prompt: list[int], params: SamplingParams = SamplingParams()) -> Sequence:
     return Sequence(request_id="r", choice_index=0, prompt_token_ids=list(prompt), params=params,
-                    max_total_tokens=len(prompt) + 64, arrival_time=0.0, rng=np.random.default_rng(0))
+                    max_total_tokens=len(prompt) + 64, arrival_time=0.0, sampling_key=0)
 
 
 def prefill(bm: BlockManager, seq: Sequence) -> None:

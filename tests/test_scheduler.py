@@ -23,7 +23,7 @@ def make_seq(prompt_len: int, max_new: int = 1000, first_token: int = 0,
         prompt = list(range(first_token, first_token + prompt_len))
     return Sequence(request_id="r", choice_index=0, prompt_token_ids=prompt,
                     params=SamplingParams(), max_total_tokens=len(prompt) + max_new,
-                    arrival_time=float(next(_clock)), rng=np.random.default_rng(0))
+                    arrival_time=float(next(_clock)), sampling_key=0)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,

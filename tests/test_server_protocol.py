@@ -184,7 +184,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.is_serving = True
 
-    async def generate(self, prompt, params, request_id):  # noqa: ANN001, ANN201
+    async def generate(self, prompt, params, request_id, speculation=None):  # noqa: ANN001, ANN201
         errors = {"bad": InvalidRequestError("prompt is bad", "prompt"), "full": EngineOverloadedError("full"),
                   "crash": RuntimeError("bug")}
         if isinstance(prompt, str) and prompt in errors:
@@ -206,7 +206,7 @@ class ScriptedEngine:
             if prompt == "late":
                 raise EngineClosedError("the engine failed")
 
-    async def chat(self, messages, params, request_id):  # noqa: ANN001, ANN201
+    async def chat(self, messages, params, request_id, speculation=None):  # noqa: ANN001, ANN201
         async for output in self.generate(messages[-1]["content"], params, request_id):
             yield output
 

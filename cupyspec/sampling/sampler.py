@@ -3,12 +3,14 @@
 Order (as vLLM): logprobs from the raw logits; penalties; then greedy argmax, or temperature,
 top-k, top-p, min-p, renormalization and an inverse-CDF pick with the row's own uniform draw.
 A row's token depends only on its own logits, parameters and draw, never on the rest of the batch.
+The pieces (penalized logits, the processed distribution in rank order, the inverse-CDF pick) are
+public so that draft verification scores drafts against exactly the distribution sampling uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,9 +39,44 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None  # [R, K] f32
 
 
-def _sample_random(xp: Any, logits: Any, params: list[SamplingParams], uniforms: np.ndarray) -> Any:
-    """Tokens [S] int64 drawn from logits [S, V] with each row's temperature, top-k/p, min-p and uniform."""
-    rows, vocab = logits.shape
+@dataclass(frozen=True)
+class RankedProbs:
+    """Processed distributions of S rows, each in its own rank order (most likely first)."""
+
+    order: Any  # [S, V] int64 token ids by descending logit, ties by lower index
+    weights: Any  # [S, V] float64 unnormalized probabilities in rank order; 0 for filtered tokens
+
+
+def penalized_logits(xp: Any, logits: Any, rows: Sequence[SamplingRow]) -> Any:
+    """logits [R, V] f32 with each row's penalties applied; a copy only when some row has any."""
+    params = [r.params for r in rows]
+    penalized = np.array([i for i, p in enumerate(params) if p.has_penalties], dtype=np.int64)
+    if not penalized.size:
+        return logits
+    index = xp.asarray(penalized)
+    x = logits.copy()
+    x[index] = apply_penalties(xp, logits[index], [params[i] for i in penalized],
+                               [rows[i].prompt_token_ids for i in penalized],
+                               [rows[i].output_token_ids for i in penalized])
+    return x
+
+
+def drawn_rows(rows: Sequence[SamplingRow]) -> np.ndarray:
+    """Host indices [S] int64 of the rows that draw at random (temperature > 0)."""
+    return np.array([i for i, r in enumerate(rows) if not r.params.greedy], dtype=np.int64)
+
+
+def row_uniforms(xp: Any, rows: Sequence[SamplingRow], index: np.ndarray) -> Any:
+    """The draws [S, 1] float64 on the device of rows[index]; each must lie in [0, 1)."""
+    uniforms = np.array([rows[i].uniform for i in index], dtype=np.float64)
+    if ((uniforms < 0.0) | (uniforms >= 1.0)).any():
+        raise ValueError("uniform must lie in [0, 1)")
+    return xp.asarray(uniforms)[:, None]
+
+
+def rank_probs(xp: Any, logits: Any, params: Sequence[SamplingParams]) -> RankedProbs:
+    """Each row's distribution after temperature, top-k, top-p and min-p, from (penalized) logits [S, V]."""
+    vocab = logits.shape[1]
 
     def column(values: list[float], dtype: Any) -> Any:  # host list -> [S, 1] on the device
         return xp.asarray(np.array(values, dtype=dtype))[:, None]
@@ -48,7 +85,6 @@ def _sample_random(xp: Any, logits: Any, params: list[SamplingParams], uniforms:
     top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], np.int64)
     top_p = column([p.top_p for p in params], np.float64)
     min_p = column([p.min_p for p in params], np.float64)
-    u = column(list(uniforms), np.float64)
 
     order = stable_argsort(xp, -logits)  # [S, V] descending, ties by lower index
     ranked = xp.take_along_axis(logits, order, axis=1)  # [S, V]
@@ -61,11 +97,37 @@ def _sample_random(xp: Any, logits: Any, params: list[SamplingParams], uniforms:
     before = (cum - probs) / cum[:, -1:]  # [S, V] probability mass ranked strictly above each token
     keep &= (before < top_p) | (top_p >= 1.0)
     keep &= probs >= min_p * probs[:, :1]
-    probs = xp.where(keep, probs, 0.0)
-    cum = xp.cumsum(probs, axis=1)  # [S, V]
-    last = (keep & (probs > 0)).sum(axis=1, keepdims=True) - 1  # [S, 1] last drawable rank
-    pick = xp.minimum((cum <= u * cum[:, -1:]).sum(axis=1, keepdims=True), last)  # [S, 1]
-    return xp.take_along_axis(order, pick, axis=1)[:, 0].astype(xp.int64)
+    return RankedProbs(order, xp.where(keep, probs, 0.0))
+
+
+def inverse_cdf(xp: Any, weights: Any, uniforms: Any) -> Any:
+    """Column [S] int64 picked in each row of weights [S, V] (>= 0, some > 0) by uniforms [S, 1] in [0, 1).
+
+    The first column whose cumulative weight exceeds u * total; rounding can never pick a zero weight.
+    """
+    vocab = weights.shape[1]
+    cum = xp.cumsum(weights, axis=1)  # [S, V]
+    last = xp.where(weights > 0, xp.arange(vocab)[None, :], 0).max(axis=1, keepdims=True)  # [S, 1]
+    pick = xp.minimum((cum <= uniforms * cum[:, -1:]).sum(axis=1, keepdims=True), last)  # [S, 1]
+    return pick[:, 0].astype(xp.int64)
+
+
+def pick_tokens(xp: Any, x: Any, rows: Sequence[SamplingRow], drawn: np.ndarray) -> tuple[Any, RankedProbs | None]:
+    """Tokens [R] int64 that sampling takes from penalized logits x [R, V], and the drawn rows' distributions.
+
+    Greedy rows take the argmax (ties to the lowest index); the rows `drawn` (host indices of all
+    non-greedy rows, in any order) an inverse-CDF pick with their uniform; their RankedProbs come
+    back in that order (None when no row draws).
+    """
+    tokens = x.argmax(axis=1).astype(xp.int64)  # [R] greedy; ties to the lowest index
+    if not drawn.size:
+        return tokens, None
+    uniforms = row_uniforms(xp, rows, drawn)  # [S, 1]
+    index = xp.asarray(drawn)
+    ranked = rank_probs(xp, x[index], [rows[i].params for i in drawn])
+    picks = inverse_cdf(xp, ranked.weights, uniforms)  # [S] ranks
+    tokens[index] = xp.take_along_axis(ranked.order, picks[:, None], axis=1)[:, 0]
+    return tokens, ranked
 
 
 def sample(xp: Any, logits: Any, rows: list[SamplingRow]) -> SamplerOutput:
@@ -73,26 +135,8 @@ def sample(xp: Any, logits: Any, rows: list[SamplingRow]) -> SamplerOutput:
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must have shape [len(rows)={len(rows)}, V], got {logits.shape}")
     logits = logits.astype(xp.float32, copy=False)
-    params = [r.params for r in rows]
-    asked = [p.logprobs for p in params if p.logprobs is not None]
-
-    x = logits
-    penalized = np.array([i for i, p in enumerate(params) if p.has_penalties], dtype=np.int64)
-    if penalized.size:
-        index = xp.asarray(penalized)
-        x = logits.copy()
-        x[index] = apply_penalties(xp, logits[index], [params[i] for i in penalized],
-                                   [rows[i].prompt_token_ids for i in penalized],
-                                   [rows[i].output_token_ids for i in penalized])
-
-    tokens = x.argmax(axis=1).astype(xp.int64)  # [R] greedy; ties to the lowest index
-    drawn = np.array([i for i, p in enumerate(params) if not p.greedy], dtype=np.int64)
-    if drawn.size:
-        uniforms = np.array([rows[i].uniform for i in drawn], dtype=np.float64)
-        if ((uniforms < 0.0) | (uniforms >= 1.0)).any():
-            raise ValueError("uniform must lie in [0, 1)")
-        index = xp.asarray(drawn)
-        tokens[index] = _sample_random(xp, x[index], [params[i] for i in drawn], uniforms)
+    asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    tokens, _ = pick_tokens(xp, penalized_logits(xp, logits, rows), rows, drawn_rows(rows))
 
     if not asked:
         return SamplerOutput(fetch_columns(xp, [tokens[:, None]])[0][:, 0].astype(np.int64), None, None, None)

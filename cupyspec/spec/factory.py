@@ -1,0 +1,30 @@
+"""The proposer that a speculative config asks for."""
+
+from __future__ import annotations
+
+from cupyspec.spec.ngram import NgramProposer
+from cupyspec.spec.proposer import NaiveProposer, Proposer
+from cupyspec.spec.suffix import SuffixProposer
+from cupyspec.speculative_config import SpeculativeConfig
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """A proposer for `config.method`; None when speculation is off."""
+    method = config.method
+    if method is None:
+        return None
+    if method == "naive":
+        return NaiveProposer()
+    if method == "ngram":
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    if method == "suffix":
+        return SuffixProposer(
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_cached_requests=config.suffix_decoding_max_cached_requests,
+            max_spec_factor=config.suffix_decoding_max_spec_factor,
+            min_token_prob=config.suffix_decoding_min_token_prob,
+        )
+    if method == "mtp":
+        raise NotImplementedError("speculative method 'mtp' is not supported yet: MTP draft weights cannot be "
+                                  "loaded; use 'ngram' or 'suffix'")
+    raise ValueError(f"unknown speculative method {method!r}")

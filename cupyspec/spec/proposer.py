@@ -1,0 +1,92 @@
+"""The draft proposers' interface: sequence contexts in, draft tokens (and optional draft probabilities) out."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's context for drafting. `token_ids` is converted to int32 if needed."""
+
+    seq_id: int  # one choice of a request; stable across steps
+    request_id: str
+    token_ids: np.ndarray  # [N] int32: prompt + output so far; the last one is the token just emitted
+    num_prompt_tokens: int
+    max_drafts: int  # propose at most this many (0: nothing)
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.token_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must be a non-empty 1-D integer array, got shape {ids.shape} {ids.dtype}")
+        if ids.dtype != np.int32:
+            ids = ids.astype(np.int32)
+        object.__setattr__(self, "token_ids", ids)
+        if not 0 <= self.num_prompt_tokens <= ids.size:
+            raise ValueError(f"num_prompt_tokens must lie in [0, {ids.size}], got {self.num_prompt_tokens}")
+        if self.max_drafts < 0:
+            raise ValueError(f"max_drafts must be >= 0, got {self.max_drafts}")
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Draft tokens for one sequence and, optionally, the distributions they were drawn from.
+
+    `probs is None` means a one-hot draft distribution on each token (model-free proposers).
+    """
+
+    token_ids: np.ndarray  # [k] int32
+    probs: np.ndarray | None = None  # [k, V] float32, or None: one-hot on token_ids
+
+    def __post_init__(self) -> None:
+        ids = self.token_ids
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int32:
+            ids = np.asarray(ids)
+            if ids.dtype.kind not in "iu" and ids.size:
+                raise ValueError(f"token_ids must hold integers, got {ids.dtype}")
+            ids = ids.astype(np.int32)
+            object.__setattr__(self, "token_ids", ids)
+        if ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {ids.shape}")
+        if self.probs is not None:
+            probs = np.asarray(self.probs, dtype=np.float32)
+            if probs.ndim != 2 or probs.shape[0] != ids.size:
+                raise ValueError(f"probs must have shape [{ids.size}, V], got {probs.shape}")
+            object.__setattr__(self, "probs", probs)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.size)
+
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+_EMPTY.flags.writeable = False
+NO_DRAFTS = Drafts(_EMPTY)  # the empty proposal (immutable, shared)
+
+
+class Proposer(abc.ABC):
+    """Proposes draft tokens for a batch of sequences; runs on the CPU between target steps."""
+
+    method: str
+    # True if the proposer keeps per-sequence state that assumes a sequence's token_ids only grow
+    # between calls; such a proposer cannot extend another proposer's tentative drafts.
+    tracks_sequences: bool = False
+
+    @abc.abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
+        """One `Drafts` per request, in order, each with at most `max_drafts` tokens."""
+
+    def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
+        """Called once when a sequence finishes or is aborted; `token_ids` is its prompt + output."""
+
+
+class NaiveProposer(Proposer):
+    """Never proposes: the speculative code path with zero drafts (a test and baseline mode)."""
+
+    method = "naive"
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
+        return [NO_DRAFTS] * len(requests)

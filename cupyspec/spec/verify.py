@@ -1,0 +1,150 @@
+"""Batched verification of draft tokens against the target model, for NumPy and CuPy alike.
+
+Request b brings num_drafts[b] drafts and num_drafts[b] + 1 target rows: row j scores the token
+after draft j - 1 (row 0 the token after the last emitted one). The target distribution p_j at a
+row is the one plain sampling would use there (penalties over the output including the earlier
+drafts, temperature, top-k, top-p, min-p; one-hot at the argmax when greedy). Strategies:
+
+- `rejection` (lossless speculative sampling): accept d_j when u' * q_j(d_j) < p_j(d_j), i.e. with
+  probability min(1, p/q), q the draft distribution (one-hot at d_j without draft_probs); at the
+  first rejection emit a draw from max(0, p_j - q_j) normalized, else the bonus token from p.
+- `greedy`: accept d_j when it is the argmax of the penalized logits.
+- `target_match` (lossless): accept d_j when it equals the token sampled from p_j.
+- `topp`: accept d_j when p_j(d_j) > 0, i.e. when it lies in the row's top-p set (the smallest
+  set of most likely tokens reaching top_p, within top-k and min-p); with top_p = 1 that is every
+  token of nonzero probability. Lossy, as in FastDeploy, whose kernel also caps the set at a fixed
+  number of candidates and accepts a run of argmax matches after a second-ranked draft
+  (`verify_window`); both refinements are left out here.
+
+Every other emitted token (bonus tokens; corrections of the other strategies) is the row's plain
+sample: inverse CDF with the row's uniform, the argmax when greedy. Accept policies: `normal`;
+`accept_all` takes every draft and then the bonus token; `reject_all` takes none and emits
+exactly what non-speculative decoding would. Everything runs batched on the device; the host
+receives accept counts and emitted tokens in one transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cupyspec.sampling.logprobs import fetch_columns
+from cupyspec.sampling.sampler import SamplingRow
+from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
+from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
+
+PLACEHOLDER_TOKEN_ID = -1  # fills the fixed-shape output past each request's emitted tokens
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """Drafts of B requests (at most K each) and the sampling inputs of their target rows."""
+
+    draft_token_ids: np.ndarray  # [B, K] int64 host, PLACEHOLDER_TOKEN_ID past num_drafts[b]
+    num_drafts: np.ndarray  # [B] int64 host, 0..K
+    draft_probs: Any | None  # [B, K, V] f32 on the device, or None: one-hot drafts (ngram, suffix)
+    rows: tuple[SamplingRow, ...]  # [R = sum(num_drafts + 1)]; each row's output ids include the drafts before it
+    extra_uniforms: np.ndarray  # [R] float64 host: the draws of the acceptance tests (`rejection`)
+
+    def __post_init__(self) -> None:
+        drafts = np.asarray(self.draft_token_ids)
+        num = np.asarray(self.num_drafts)
+        if drafts.ndim != 2 or drafts.dtype.kind not in "iu":
+            raise ValueError(f"draft_token_ids must be a 2-D integer array [B, K], got {drafts.dtype} {drafts.shape}")
+        if num.shape != (drafts.shape[0],) or num.dtype.kind not in "iu":
+            raise ValueError(f"num_drafts must be an integer array of shape [B={drafts.shape[0]}], got {num.shape}")
+        if num.size and (num.min() < 0 or num.max() > drafts.shape[1]):
+            raise ValueError(f"num_drafts must lie in [0, K={drafts.shape[1]}]")
+        num_rows = int((num + 1).sum())
+        if len(self.rows) != num_rows:
+            raise ValueError(f"rows must hold sum(num_drafts + 1) = {num_rows} rows, got {len(self.rows)}")
+        uniforms = np.asarray(self.extra_uniforms, dtype=np.float64)
+        if uniforms.shape != (num_rows,):
+            raise ValueError(f"extra_uniforms must have shape [{num_rows}], got {uniforms.shape}")
+        if ((uniforms < 0.0) | (uniforms >= 1.0)).any():
+            raise ValueError("extra_uniforms must lie in [0, 1)")
+        object.__setattr__(self, "draft_token_ids", drafts.astype(np.int64, copy=False))
+        object.__setattr__(self, "num_drafts", num.astype(np.int64, copy=False))
+        object.__setattr__(self, "extra_uniforms", uniforms)
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """Host results of one verification step."""
+
+    output_token_ids: np.ndarray  # [B, K+1] int64: accepted drafts, then the bonus/correction token; PLACEHOLDER after
+    accept_num: np.ndarray  # [B] int64: emitted tokens = accepted drafts + 1
+    num_accepted_drafts: np.ndarray  # [B] int64
+    accepted_mask: np.ndarray  # [B, K] bool: draft j accepted
+
+
+def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
+              inp: VerifyInput) -> tuple[Any, Any | None]:
+    """Each draft's own test (accepted [D] bool) and, for `rejection`, the residual picks [D] int64."""
+    draft = xp.asarray(layout.tokens)  # [D]
+    rows = xp.asarray(layout.rows)  # [D]
+    if strategy == "greedy":
+        return target.logits[rows].argmax(axis=1) == draft, None
+    if strategy == "target_match":
+        return target.tokens[rows] == draft, None
+    p_draft, residual_pick = draft_scores(xp, target, layout, inp.draft_probs, inp.rows, strategy == "rejection")
+    if strategy == "topp":
+        return p_draft > 0, None
+    if inp.draft_probs is None:
+        q_draft = 1.0
+    else:
+        q_draft = inp.draft_probs[xp.asarray(layout.request), xp.asarray(layout.position), draft].astype(xp.float64)
+    u = xp.asarray(inp.extra_uniforms[layout.rows])  # [D]
+    return u * q_draft < p_draft, residual_pick
+
+
+def _assemble(inp: VerifyInput, num_accepted: np.ndarray, emitted: np.ndarray) -> VerifyOutput:
+    """Host output arrays from the accepted draft counts [B] and the emitted last tokens [B]."""
+    batch, k = inp.draft_token_ids.shape
+    accepted = np.arange(k)[None, :] < num_accepted[:, None]  # [B, K]
+    out = np.full((batch, k + 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+    out[:, :k] = np.where(accepted, inp.draft_token_ids, PLACEHOLDER_TOKEN_ID)
+    out[np.arange(batch), num_accepted] = emitted
+    return VerifyOutput(out, num_accepted + 1, num_accepted, accepted)
+
+
+def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejection",
+           accept_policy: str = "normal") -> VerifyOutput:
+    """Accept drafts and pick each request's bonus or correction token; target_logits [R, V] f32 on the device."""
+    if strategy not in VERIFY_STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(VERIFY_STRATEGIES)}, not {strategy!r}")
+    if accept_policy not in ACCEPT_POLICIES:
+        raise ValueError(f"accept_policy must be one of {', '.join(ACCEPT_POLICIES)}, not {accept_policy!r}")
+    batch, k = inp.draft_token_ids.shape
+    num_rows = len(inp.rows)
+    if target_logits.ndim != 2 or target_logits.shape[0] != num_rows:
+        raise ValueError(f"target_logits must have shape [R={num_rows}, V], got {target_logits.shape}")
+    vocab = target_logits.shape[1]
+    layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
+    if layout.tokens.size and (layout.tokens.min() < 0 or layout.tokens.max() >= vocab):
+        raise ValueError(f"draft_token_ids holds a draft outside the vocabulary [0, {vocab})")
+    if inp.draft_probs is not None and tuple(inp.draft_probs.shape) != (batch, k, vocab):
+        raise ValueError(f"draft_probs must have shape [B={batch}, K={k}, V={vocab}], got {inp.draft_probs.shape}")
+    if batch == 0:
+        return _assemble(inp, np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    target = score_rows(xp, target_logits.astype(xp.float32, copy=False), inp.rows, layout)
+    first_row = np.cumsum(inp.num_drafts + 1) - (inp.num_drafts + 1)  # [B]
+    if accept_policy != "normal" or not layout.rows.size:
+        num_accepted = inp.num_drafts if accept_policy == "accept_all" else np.zeros(batch, np.int64)
+        emitted = target.tokens[xp.asarray(first_row + num_accepted)]  # [B]
+        return _assemble(inp, num_accepted, fetch_columns(xp, [emitted[:, None]])[0][:, 0].astype(np.int64))
+
+    accepted, residual_pick = _accepted(xp, strategy, target, layout, inp)  # [D], [D] or None
+    grid = xp.zeros((batch, k), dtype=xp.int32)  # [B, K]; 0 past each request's drafts
+    grid[xp.asarray(layout.request), xp.asarray(layout.position)] = accepted
+    count = xp.cumprod(grid, axis=1).sum(axis=1).astype(xp.int64)  # [B] drafts before the first rejection
+    emit_at = target.tokens  # [R] token emitted when the request stops at that row
+    if residual_pick is not None:
+        emit_at = emit_at.copy()
+        emit_at[xp.asarray(layout.rows)] = residual_pick
+    emitted = emit_at[xp.asarray(first_row) + count]  # [B]
+    host = fetch_columns(xp, [count[:, None], emitted[:, None]])
+    return _assemble(inp, host[0][:, 0].astype(np.int64), host[1][:, 0].astype(np.int64))

@@ -1,0 +1,221 @@
+"""Speculative decoding end to end: lossless where it claims to be, stops, policies, back-off."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.errors import InvalidRequestError
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.sequence import Sequence
+from cupyspec.spec.policy import PROBE_INTERVAL, draft_limits
+from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
+from tiny_models import tiny_model_paths
+
+REPEAT = [7, 8, 9, 10, 11, 12] * 6  # a prompt the ngram proposer can draft from
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    return str(tiny_model_paths(tmp_path_factory.mktemp("spec"), "llama")[1])
+
+
+async def make_engine(path: str, **spec) -> AsyncEngine:
+    speculative = SpeculativeConfig(**spec) if spec else SpeculativeConfig()
+    return await AsyncEngine.create(EngineConfig(model=path, device="cpu", cache=CacheConfig(block_size=4),
+                                                 scheduler=SchedulerConfig(max_num_batched_tokens=256),
+                                                 speculative=speculative))
+
+
+async def collect(engine: AsyncEngine, prompt, params: SamplingParams, k: int | None = None) -> dict:
+    result = {"tokens": [], "text": "", "logprobs": [], "finish": None, "stop_reason": None}
+    async for out in engine.generate(prompt, params, speculation=RequestSpeculation(k)):
+        for d in out.deltas:
+            result["tokens"] += d.token_ids
+            result["text"] += d.text
+            result["logprobs"] += d.logprobs or ()
+            result["finish"] = d.finish_reason or result["finish"]
+            result["stop_reason"] = d.stop_reason or result["stop_reason"]
+        result["out"] = out
+    return result
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "naive"])
+def test_greedy_tiny_model_output_and_logprobs_do_not_change(tiny_gguf, method):
+    prompts = [REPEAT, [3, 4, 5, 3, 4, 5, 3, 4], list(range(20, 60))]
+
+    async def main():
+        plain = await make_engine(tiny_gguf)
+        want = [await collect(plain, p, GREEDY) for p in prompts]
+        await plain.shutdown()
+        spec = await make_engine(tiny_gguf, method=method, num_speculative_tokens=5)
+        ks = (None,) if method == "naive" else (1, 3, 5)  # naive drafts nothing
+        got = {k: await asyncio.gather(*(collect(spec, p, GREEDY, k) for p in prompts)) for k in ks}
+        await spec.shutdown()
+        return want, got
+
+    want, got = asyncio.run(main())
+    for k, outs in got.items():
+        for w, g in zip(want, outs):
+            assert g["tokens"] == w["tokens"], (method, k)
+            for a, b in zip(w["logprobs"], g["logprobs"]):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    if method == "ngram":  # drafts were really taken
+        assert got[5][0]["out"].speculate_metrics.num_accepted_tokens > 0
+
+
+def test_target_match_reproduces_seeded_sampling_exactly(tiny_gguf):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=30, ignore_eos=True,
+                            frequency_penalty=0.5)
+    prompt = list(range(3, 300))  # every token occurs earlier: the ngram proposer always drafts
+
+    async def main():
+        plain = await make_engine(tiny_gguf)
+        want = await collect(plain, prompt, params)
+        await plain.shutdown()
+        spec = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=4, verify_strategy="target_match")
+        got = await collect(spec, prompt, params)
+        await spec.shutdown()
+        return want, got
+
+    want, got = asyncio.run(main())
+    assert got["tokens"] == want["tokens"]
+    assert got["out"].speculate_metrics.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("policy", ["reject_all", "accept_all"])
+def test_accept_policies(tiny_gguf, policy):
+    async def main():
+        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3, accept_policy=policy)
+        out = await collect(engine, REPEAT, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        await engine.shutdown()
+        return out["out"].speculate_metrics
+
+    metrics = asyncio.run(main())
+    assert metrics.num_draft_tokens > 0
+    if policy == "reject_all":
+        assert metrics.num_accepted_tokens == 0 and metrics.mean_acceptance_length == 1.0
+    else:
+        assert metrics.num_accepted_tokens == metrics.num_draft_tokens
+        assert metrics.mean_acceptance_length > 1.0
+
+
+def test_stops_inside_an_accepted_run_cut_the_output(tiny_gguf):
+    prompt = [5] * 20  # the tiny model's greedy continuation keeps drafts accepted
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=5)
+        free = await collect(engine, prompt, base)
+        tokens, text = free["tokens"], free["text"]
+        stop_token = tokens[9]
+        by_token = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                               stop_token_ids=(stop_token,)))
+        by_length = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+        stop = text[len(text) // 2: len(text) // 2 + 3]
+        by_string = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                stop=(stop,)))
+        await engine.shutdown()
+        return free, by_token, by_length, by_string, stop_token, stop
+
+    free, by_token, by_length, by_string, stop_token, stop = asyncio.run(main())
+    assert free["out"].speculate_metrics.mean_acceptance_length > 2  # runs of several tokens per step
+    cut = free["tokens"].index(stop_token) + 1
+    assert by_token["tokens"] == free["tokens"][:cut] and by_token["finish"] == "stop"
+    assert by_token["out"].num_output_tokens == cut
+    assert by_length["tokens"] == free["tokens"][:9] and by_length["finish"] == "length"
+    assert by_length["out"].num_output_tokens == 9
+    assert by_string["text"] == free["text"][:free["text"].index(stop)] and by_string["stop_reason"] == stop
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(tiny_gguf):
+    async def main():
+        spec = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=5)
+        first = await collect(spec, REPEAT, GREEDY)
+        follow_up = REPEAT + first["tokens"]
+        cached = await collect(spec, follow_up, GREEDY)  # reuses blocks written by speculative steps
+        await spec.shutdown()
+        fresh_engine = await make_engine(tiny_gguf)
+        fresh = await collect(fresh_engine, follow_up, GREEDY)
+        await fresh_engine.shutdown()
+        return first, cached, fresh, spec.block_manager.num_prefix_hit_tokens
+
+    first, cached, fresh, hits = asyncio.run(main())
+    assert first["out"].speculate_metrics.num_draft_tokens > first["out"].speculate_metrics.num_accepted_tokens
+    assert hits > len(REPEAT)
+    assert cached["tokens"] == fresh["tokens"]
+
+
+def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf):
+    prompt = list(range(30, 70))
+
+    async def main():
+        engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5)
+        first = await collect(engine, prompt, GREEDY)
+        second = await collect(engine, prompt, GREEDY)
+        await engine.shutdown()
+        return first["out"].speculate_metrics, second["out"].speculate_metrics, first["tokens"], second["tokens"]
+
+    first, second, a, b = asyncio.run(main())
+    assert a == b
+    assert second.num_accepted_tokens > first.num_accepted_tokens
+    assert second.mean_acceptance_length > 2
+
+
+def test_request_speculation_setting(tiny_gguf):
+    async def main():
+        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3)
+        off = await collect(engine, REPEAT, GREEDY, k=0)
+        with pytest.raises(InvalidRequestError) as info:
+            await collect(engine, REPEAT, GREEDY, k=4)
+        await engine.shutdown()
+        return off["out"].speculate_metrics, info.value.param
+
+    metrics, param = asyncio.run(main())
+    assert metrics.num_draft_tokens == 0 and metrics.num_steps > 0
+    assert param == "speculative.num_speculative_tokens"
+
+
+def _decoding_seq(max_drafts: int, ema: float = 1.0, steps_since_draft: int = 0) -> Sequence:
+    seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=100), 103, 0.0, 0, max_drafts=max_drafts)
+    seq.output_token_ids = [4]
+    seq.num_computed_tokens = 3
+    seq.spec.acceptance_ema, seq.spec.steps_since_draft = ema, steps_since_draft
+    return seq
+
+
+def test_back_off_rule():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=5, max_draft_tokens_per_step=12,
+                               min_acceptance_rate=0.2)
+    few = [_decoding_seq(5) for _ in range(2)]
+    assert list(draft_limits(few, config).values()) == [5, 5]
+    crowd = [_decoding_seq(5) for _ in range(4)]
+    assert list(draft_limits(crowd, config).values()) == [3, 3, 3, 3]  # 12 drafts shared by 4
+    assert set(draft_limits([_decoding_seq(5) for _ in range(13)], config).values()) == {0}
+    poor = _decoding_seq(5, ema=0.1)
+    assert list(draft_limits([poor], config).values()) == [0]
+    poor.spec.steps_since_draft = PROBE_INTERVAL
+    assert list(draft_limits([poor], config).values()) == [1]  # a probe
+    near_end = _decoding_seq(5)
+    near_end.max_total_tokens = near_end.num_tokens + 3
+    assert list(draft_limits([near_end], config).values()) == [2]  # the step emits at most 3 tokens
+
+
+def test_many_sequences_stop_drafting(tiny_gguf):
+    async def main():
+        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3, max_draft_tokens_per_step=4)
+        outs = await asyncio.gather(*(collect(engine, REPEAT[i:], GREEDY) for i in range(8)))
+        await engine.shutdown()
+        return [o["out"].speculate_metrics for o in outs]
+
+    metrics = asyncio.run(main())
+    assert sum(m.num_steps for m in metrics) > 0
+    # eight sequences decode together most of the time: 4 drafts shared by 8 gives none
+    assert sum(m.num_draft_tokens for m in metrics) < sum(m.num_steps for m in metrics) / 4
