@@ -8,13 +8,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import openai
 import pytest
 from server_fixtures import LiveServer, tiny_config, tiny_server  # noqa: F401
 
 from cupyspec.outputs import RequestOutput, SpeculateMetrics
 from cupyspec.server.speculation import SpeculateMetricsSum
 from cupyspec.speculative_config import SpeculativeConfig
+
+openai = pytest.importorskip("openai")  # a test extra; absent on bare GPU hosts
 
 K = 3  # the server's num_speculative_tokens
 GREEDY: dict[str, Any] = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
