@@ -84,6 +84,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    overlap_logprobs: bool = True  # GPU: logprobs of a speculative step on a second stream, beside verification
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

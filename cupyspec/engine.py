@@ -90,7 +90,7 @@ class AsyncEngine:
         kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(model, kv, backend, config.speculative)
+        self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs)
         proposer = make_proposer(config.speculative)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.metrics = EngineMetrics(self.model_name)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from cupyspec.detokenizer import IncrementalDetokenizer
 from cupyspec.metrics import EngineMetrics
-from cupyspec.outputs import CompletionDelta, RequestOutput, SpeculateMetrics, TokenLogprob
+from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob
 from cupyspec.runner import SeqStepOutput
 from cupyspec.scheduler import Scheduler, SchedulerOutput
 from cupyspec.sequence import Sequence
@@ -108,16 +108,19 @@ class OutputProcessor:
             request.first_token_time = now
             self.metrics.observe_ttft(now - request.arrival_time)
         logprobs = out.logprobs[:len(kept)] if seq.params.logprobs is not None else None
+        drafts = (out.draft_logprobs or ()) if seq.params.include_draft_logprobs else None
         if delta.finish_reason is not None:
-            self._close(request, seq, delta.finish_reason, delta.text, kept, logprobs, delta.stop_reason)
+            self._close(request, seq, delta.finish_reason, delta.text, kept, logprobs, delta.stop_reason, drafts)
         else:
-            request.pending.append(CompletionDelta(seq.choice_index, delta.text, kept, logprobs))
+            request.pending.append(CompletionDelta(seq.choice_index, delta.text, kept, logprobs, draft_logprobs=drafts))
 
     def _close(self, request: RequestState, seq: Sequence, reason: str, text: str, tokens: tuple[int, ...] = (),
-               logprobs: tuple[TokenLogprob, ...] | None = None, stop_reason: str | int | None = None) -> None:
+               logprobs: tuple[TokenLogprob, ...] | None = None, stop_reason: str | int | None = None,
+               draft_logprobs: tuple[DraftLogprob, ...] | None = None) -> None:
         self.scheduler.finish(seq, reason)
         seq.stop_reason = stop_reason
-        request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason))
+        request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason,
+                                               draft_logprobs))
         self.on_sequence_finished(seq)
 
     def _emit(self, request: RequestState) -> None:

@@ -17,6 +17,13 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class DraftLogprob(TokenLogprob):
+    """A proposed draft token: the target model's logprob for it at its position, and the verdict."""
+
+    accepted: bool
+
+
+@dataclass(frozen=True)
 class CompletionDelta:
     """What one choice produced since the previous delta."""
 
@@ -26,6 +33,7 @@ class CompletionDelta:
     logprobs: tuple[TokenLogprob, ...] | None  # one per token in token_ids, when asked for
     finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    draft_logprobs: tuple[DraftLogprob, ...] | None = None  # drafts proposed for this delta, when asked for
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ through the speculative path).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,14 +16,15 @@ from cupyspec.backend import Backend
 from cupyspec.batch import FlatBatch, Segment, build_flat_batch
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
-from cupyspec.outputs import TokenLogprob
+from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprobs import compute_logprobs
 from cupyspec.sampling.sampler import SamplingRow, sample
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduler import SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
+from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
+from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,9 @@ class StepInputs:
     sampling: tuple[SamplingRow, ...]  # [R]
     accept_uniforms: np.ndarray  # [R] float64: draws of the draft acceptance tests
     owners: tuple[int, ...]  # [S]: scheduled index of each sampling sequence
-    first_row: np.ndarray  # [S+1] int64: its target rows are first_row[s]:first_row[s+1] of target_rows
     drafts: np.ndarray  # [S, K] int64, PLACEHOLDER_TOKEN_ID past each sequence's drafts
     num_drafts: np.ndarray  # [S] int64
-    top_logprobs: tuple[int | None, ...]  # [S]: logprobs asked by each sampling sequence
+    logprobs: LogprobRequests  # [S]: logprobs and draft logprobs asked by each sampling sequence
     prompt_rows: np.ndarray  # [P] int64: rows scoring the next prompt token
     prompt_targets: np.ndarray  # [P] int64: that next prompt token
     prompt_owner: tuple[tuple[int, int, int], ...]  # [P]: (scheduled index, target position, top k)
@@ -52,6 +52,7 @@ class SeqStepOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when asked
     num_drafts: int = 0
     accepted: tuple[bool, ...] = ()  # per draft
+    draft_logprobs: tuple[DraftLogprob, ...] | None = None  # per draft, when asked
     prompt_logprobs: tuple[tuple[int, TokenLogprob], ...] = ()  # (prompt position, logprob)
 
 
@@ -69,13 +70,16 @@ def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
+                 overlap_logprobs: bool = True) -> None:
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
+        # the CUDA stream that computes a speculative step's logprobs beside verification
+        self.logprob_stream = backend.xp.cuda.Stream(non_blocking=True) if backend.is_cuda and overlap_logprobs else None
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         segments: list[Segment] = []
         target_rows, sampling, keys, positions = [], [], [], []
-        owners, first_row, draft_lists, top_logprobs = [], [0], [], []
+        owners, draft_lists, top_logprobs, include_drafts = [], [], [], []
         prompt_rows, prompt_targets, prompt_owner = [], [], []
         row = 0
         for i, item in enumerate(sched.scheduled):
@@ -91,11 +95,11 @@ class ModelRunner:
                 owners.append(i)
                 draft_lists.append(drafts)
                 top_logprobs.append(seq.params.logprobs)
+                include_drafts.append(seq.params.include_draft_logprobs)
                 target_rows.extend(range(row + n - 1, row + n + len(drafts)))
                 sampling.extend(_sampling_rows(seq, drafts))
                 keys.extend([seq.sampling_key] * (len(drafts) + 1))
                 positions.extend(range(seq.num_tokens, seq.num_tokens + len(drafts) + 1))
-                first_row.append(len(target_rows))
             row += n + len(drafts)
         keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
         uniforms = counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM)
@@ -111,10 +115,9 @@ class ModelRunner:
             sampling=tuple(sampling),
             accept_uniforms=counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM),
             owners=tuple(owners),
-            first_row=np.asarray(first_row, dtype=np.int64),
             drafts=drafts_arr,
             num_drafts=np.array([len(d) for d in draft_lists], dtype=np.int64),
-            top_logprobs=tuple(top_logprobs),
+            logprobs=LogprobRequests(tuple(top_logprobs), tuple(include_drafts)),
             prompt_rows=np.asarray(prompt_rows, dtype=np.int64),
             prompt_targets=np.asarray(prompt_targets, dtype=np.int64),
             prompt_owner=tuple(prompt_owner),
@@ -138,40 +141,28 @@ class ModelRunner:
                 per_seq.setdefault(i, []).append(
                     (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
             for i, pairs in per_seq.items():
-                out = outputs[i]
-                outputs[i] = SeqStepOutput(out.token_ids, out.logprobs, out.num_drafts, out.accepted, tuple(pairs))
+                outputs[i] = replace(outputs[i], prompt_logprobs=tuple(pairs))
         return outputs
 
     def _emit(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
         """Tokens (and their logprobs) of every sampling sequence, from its target rows' logits [R, V]."""
-        num_seqs = len(inputs.owners)
-        wanted = [k for k in inputs.top_logprobs if k is not None]
+        top_logprobs = inputs.logprobs.top_logprobs
         if not self.speculative.enabled:  # one row per sequence: plain sampling
             out = sample(xp, logits, list(inputs.sampling))
-            accept_num = np.ones(num_seqs, dtype=np.int64)
-            accepted = np.zeros((num_seqs, 0), dtype=bool)
-            emitted_tokens = out.token_ids
-            lps, top_ids, top_lps = out.logprobs, out.top_token_ids, out.top_logprobs
-        else:
-            result = verify(xp, logits, VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling,
-                                                    inputs.accept_uniforms),
-                            self.speculative.verify_strategy, self.speculative.accept_policy)
-            accept_num, accepted = result.accept_num, result.accepted_mask
-            emitted_rows = np.concatenate([inputs.first_row[s] + np.arange(accept_num[s]) for s in range(num_seqs)])
-            emitted_tokens = np.concatenate([result.output_token_ids[s, :accept_num[s]] for s in range(num_seqs)])
-            lps = top_ids = top_lps = None
-            if wanted:  # logprobs of the emitted tokens under the raw logits of their rows
-                lps, top_ids, top_lps = compute_logprobs(xp, logits[xp.asarray(emitted_rows)], emitted_tokens,
-                                                         max(wanted))
-        results, offset = {}, 0
-        for s in range(num_seqs):
-            count, k = int(accept_num[s]), inputs.top_logprobs[s]
-            seq_tokens = tuple(int(t) for t in emitted_tokens[offset:offset + count])
-            logprobs = None
-            if k is not None:
-                logprobs = tuple(_token_logprob(t, lps[offset + j], top_ids[offset + j], top_lps[offset + j], k)
-                                 for j, t in enumerate(seq_tokens))
-            num_drafts = int(inputs.num_drafts[s])
-            results[s] = SeqStepOutput(seq_tokens, logprobs, num_drafts, tuple(bool(a) for a in accepted[s, :num_drafts]))
-            offset += count
+            results = {}
+            for s, k in enumerate(top_logprobs):
+                logprobs = None if k is None else (
+                    _token_logprob(out.token_ids[s], out.logprobs[s], out.top_token_ids[s], out.top_logprobs[s], k),)
+                results[s] = SeqStepOutput((int(out.token_ids[s]),), logprobs)
+            return results
+        step = verify_with_logprobs(
+            xp, logits, VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
+            inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy, self.logprob_stream)
+        verdict = step.verify
+        results = {}
+        for s in range(len(inputs.owners)):
+            count, num_drafts = int(verdict.accept_num[s]), int(inputs.num_drafts[s])
+            results[s] = SeqStepOutput(tuple(int(t) for t in verdict.output_token_ids[s, :count]), step.token_logprobs[s],
+                                       num_drafts, tuple(bool(a) for a in verdict.accepted_mask[s, :num_drafts]),
+                                       draft_logprobs=step.draft_logprobs[s])
         return results

@@ -3,6 +3,10 @@
 With speculation on, `speculate_metrics` is a top-level field of the response, and of a
 stream's last chunk before `data: [DONE]` (the usage chunk if asked for, else the chunk with
 the last finish reason).
+
+With `include_draft_logprobs`, every choice (every content chunk's choice) carries
+`draft_logprobs.content`: the drafts proposed for its tokens, as `logprobs.content` entries plus
+`accepted`.
 """
 
 from __future__ import annotations
@@ -12,14 +16,15 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import msgspec
 from aiohttp import web
 
 from cupyspec.outputs import CompletionDelta
 from cupyspec.server.context import ServerContext, decode_body, json_response
-from cupyspec.server.logprobs import chat_logprobs
+from cupyspec.server.logprobs import chat_draft_logprobs, chat_logprobs
 from cupyspec.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                      ChatTokenLogprob)
+                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatDraftLogprobs,
+                                      ChatDraftTokenLogprob, ChatLogprobs, ChatTokenLogprob)
 from cupyspec.server.sampling import chat_messages, chat_params
 from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
 from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
@@ -42,13 +47,19 @@ class ChatJob:
             return None
         return chat_logprobs(self.ctx.token_text, delta.logprobs)
 
+    def _draft_logprobs(self, delta: CompletionDelta) -> list[ChatDraftTokenLogprob] | None:
+        if not self.req.include_draft_logprobs:
+            return None
+        # None: the engine proposed nothing (it does not speculate)
+        return chat_draft_logprobs(self.ctx.token_text, delta.draft_logprobs or ())
+
     async def deltas(self) -> AsyncIterator[tuple[CompletionDelta, bool]]:
         """The deltas that carry something, each with whether it is the request's last."""
         async with aclosing(merged([self.stream])) as outputs:
             async for _, output in outputs:
                 self.usage.update(0, output)
                 self.spec.update(output)
-                moving = [d for d in output.deltas if d.text or d.token_ids or d.finish_reason]
+                moving = [d for d in output.deltas if d.text or d.token_ids or d.finish_reason or d.draft_logprobs]
                 for i, delta in enumerate(moving):
                     yield delta, self.spec.complete and i == len(moving) - 1
 
@@ -67,11 +78,12 @@ class ChatJob:
             yield self._chunk([ChatChunkChoice(index=index, delta=role, logprobs=None, finish_reason=None)])
         async with aclosing(self.deltas()) as deltas:
             async for delta, last in deltas:
-                content = self._logprobs(delta)
+                content, drafts = self._logprobs(delta), self._draft_logprobs(delta)
                 choice = ChatChunkChoice(
                     index=delta.index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
                     logprobs=ChatLogprobs(content) if content is not None else None,
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    draft_logprobs=ChatDraftLogprobs(drafts) if drafts is not None else msgspec.UNSET)
                 yield self._chunk([choice], last=last and not usage_chunk)
         if usage_chunk:
             yield self._chunk([], usage=True, last=True)
@@ -79,17 +91,21 @@ class ChatJob:
     async def response(self) -> ChatCompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self.n)]
         logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(self.n)]
+        drafts: list[list[ChatDraftTokenLogprob]] = [[] for _ in range(self.n)]
         finals: list[CompletionDelta | None] = [None] * self.n
         async with aclosing(self.deltas()) as deltas:
             async for delta, _last in deltas:
                 texts[delta.index].append(delta.text)
                 logprobs[delta.index] += self._logprobs(delta) or []
+                drafts[delta.index] += self._draft_logprobs(delta) or []
                 finals[delta.index] = delta
         choices = [
             ChatChoice(index=i, message=AssistantMessage(role="assistant", content="".join(texts[i])),
                        logprobs=ChatLogprobs(logprobs[i]) if self.req.logprobs else None,
                        finish_reason=final.finish_reason if final else None,
-                       stop_reason=final.stop_reason if final else None)
+                       stop_reason=final.stop_reason if final else None,
+                       draft_logprobs=ChatDraftLogprobs(drafts[i]) if self.req.include_draft_logprobs
+                       else msgspec.UNSET)
             for i, final in enumerate(finals)
         ]
         return ChatCompletionResponse(id=self.id, object="chat.completion", created=self.created,

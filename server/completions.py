@@ -3,6 +3,10 @@
 With speculation on, `speculate_metrics` (summed over the prompts) is a top-level field of the
 response, and of a stream's last chunk before `data: [DONE]` (the usage chunk if asked for, else
 the chunk with the last finish reason).
+
+With `include_draft_logprobs`, every choice (every chunk's choice) carries `draft_logprobs`: the
+drafts proposed for its tokens, in the legacy format plus `accepted`; `text_offset` as described
+in `completion_draft_logprobs`.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import msgspec
 from aiohttp import web
 
-from cupyspec.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
 from cupyspec.server.context import ServerContext, decode_body, json_response
-from cupyspec.server.logprobs import completion_logprobs, merge_completion_logprobs
-from cupyspec.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse)
+from cupyspec.server.logprobs import (completion_draft_logprobs, completion_logprobs, merge_completion_logprobs,
+                                      text_offsets)
+from cupyspec.server.protocol import (CompletionChoice, CompletionChunk, CompletionDraftLogprobs, CompletionLogprobs,
+                                      CompletionRequest, CompletionResponse)
 from cupyspec.server.sampling import Prompt, completion_params, completion_prompts
 from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
 from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
@@ -38,14 +44,20 @@ class CompletionJob:
         self._offsets: dict[int, int] = {}  # choice index -> characters of text so far (text_offset)
 
     def _piece(self, index: int, text: str, token_ids: tuple[int, ...],
-               logprobs: tuple[TokenLogprob | None, ...] | None, finish_reason: str | None = None,
-               stop_reason: str | int | None = None) -> CompletionChoice:
-        formatted = None
+               logprobs: tuple[TokenLogprob | None, ...] | None, drafts: tuple[DraftLogprob, ...] | None = None,
+               finish_reason: str | None = None, stop_reason: str | int | None = None) -> CompletionChoice:
+        choice = CompletionChoice(index=index, text=text, logprobs=None, finish_reason=finish_reason,
+                                  stop_reason=stop_reason)
+        if self.req.logprobs is None and not self.req.include_draft_logprobs:
+            return choice
+        texts, start = self.ctx.token_text, self._offsets.get(index, 0)
+        offsets = text_offsets(texts, token_ids, start)
+        self._offsets[index] = offsets[-1]
         if self.req.logprobs is not None and logprobs is not None:
-            formatted, self._offsets[index] = completion_logprobs(self.ctx.token_text, token_ids, logprobs,
-                                                                  self._offsets.get(index, 0))
-        return CompletionChoice(index=index, text=text, logprobs=formatted, finish_reason=finish_reason,
-                                stop_reason=stop_reason)
+            choice.logprobs = completion_logprobs(texts, token_ids, logprobs, start)[0]
+        if self.req.include_draft_logprobs:  # None: the engine proposed nothing (it does not speculate)
+            choice.draft_logprobs = completion_draft_logprobs(texts, drafts or (), offsets)
+        return choice
 
     def _echo(self, prompt_index: int, first: RequestOutput) -> list[CompletionChoice]:
         prompt = self.prompts[prompt_index]
@@ -54,10 +66,10 @@ class CompletionJob:
                 for i in range(self.n)]
 
     def _delta(self, prompt_index: int, delta: CompletionDelta) -> CompletionChoice | None:
-        if not (delta.text or delta.token_ids or delta.finish_reason):
+        if not (delta.text or delta.token_ids or delta.finish_reason or delta.draft_logprobs):
             return None
         return self._piece(prompt_index * self.n + delta.index, delta.text, delta.token_ids, delta.logprobs,
-                           delta.finish_reason, delta.stop_reason)
+                           delta.draft_logprobs, delta.finish_reason, delta.stop_reason)
 
     async def pieces(self) -> AsyncIterator[tuple[CompletionChoice, bool]]:
         """Choice fragments in the order the engine produces them (echoed prompts first), each with
@@ -97,11 +109,16 @@ class CompletionJob:
         choices = []
         for index, pieces_of_choice in parts.items():
             logprobs: list[CompletionLogprobs] = [p.logprobs for p in pieces_of_choice if p.logprobs is not None]
+            drafts = [p.draft_logprobs for p in pieces_of_choice
+                      if isinstance(p.draft_logprobs, CompletionDraftLogprobs)]
             last = pieces_of_choice[-1] if pieces_of_choice else None
             choices.append(CompletionChoice(
                 index=index, text="".join(p.text for p in pieces_of_choice),
-                logprobs=merge_completion_logprobs(logprobs) if self.req.logprobs is not None else None,
-                finish_reason=last.finish_reason if last else None, stop_reason=last.stop_reason if last else None))
+                logprobs=merge_completion_logprobs(logprobs, CompletionLogprobs) if self.req.logprobs is not None
+                else None,
+                finish_reason=last.finish_reason if last else None, stop_reason=last.stop_reason if last else None,
+                draft_logprobs=merge_completion_logprobs(drafts, CompletionDraftLogprobs)
+                if self.req.include_draft_logprobs else msgspec.UNSET))
         return CompletionResponse(id=self.id, object="text_completion", created=self.created,
                                   model=self.ctx.model_name, choices=choices, usage=self.usage.usage(),
                                   speculate_metrics=self.spec.result())

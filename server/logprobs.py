@@ -1,15 +1,19 @@
-"""Logprobs in the two OpenAI formats: legacy completions lists and chat `content` entries."""
+"""Logprobs in the two OpenAI formats: legacy completions lists and chat `content` entries,
+for emitted tokens and for proposed drafts (the same entries plus `accepted`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
-from cupyspec.outputs import TokenLogprob
-from cupyspec.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from cupyspec.outputs import DraftLogprob, TokenLogprob
+from cupyspec.server.protocol import (ChatDraftTokenLogprob, ChatTokenLogprob, CompletionDraftLogprobs,
+                                      CompletionLogprobs, TopLogprob)
 
 # JSON has no -inf; a token the model rules out gets this floor, as vLLM reports it.
 MIN_LOGPROB = -9999.0
+
+L = TypeVar("L", bound=CompletionLogprobs)
 
 
 class TokenBytes(Protocol):
@@ -45,17 +49,23 @@ def clamp(logprob: float) -> float:
     return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB  # also maps -inf
 
 
-def completion_logprobs(texts: TokenText, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None],
-                        offset: int) -> tuple[CompletionLogprobs, int]:
-    """Legacy logprobs of `token_ids` whose text starts at character `offset` of the choice;
-    returns them and the offset after the last token. A None entry (the first prompt token) has
-    no logprob. `top_logprobs` maps the top tokens and the chosen one to their logprobs."""
-    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token_id, entry in zip(token_ids, logprobs, strict=True):
+def text_offsets(texts: TokenText, token_ids: Sequence[int], offset: int) -> list[int]:
+    """Where each token starts in the choice's text when the first starts at character `offset`,
+    then where the last ends: len(token_ids) + 1 offsets."""
+    offsets = [offset]
+    for token_id in token_ids:
+        offsets.append(offsets[-1] + len(texts.text(token_id)))
+    return offsets
+
+
+def _fill_completion(result: L, texts: TokenText, token_ids: Sequence[int],
+                     logprobs: Sequence[TokenLogprob | None], text_offset: Sequence[int]) -> L:
+    """Append the tokens to `result`. A None entry (the first prompt token) has no logprob.
+    `top_logprobs` maps the top tokens and the chosen one to their logprobs."""
+    for token_id, entry, offset in zip(token_ids, logprobs, text_offset, strict=True):
         token = texts.text(token_id)
         result.tokens.append(token)
         result.text_offset.append(offset)
-        offset += len(token)
         if entry is None:
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
@@ -64,26 +74,45 @@ def completion_logprobs(texts: TokenText, token_ids: Sequence[int], logprobs: Se
         top.setdefault(token, clamp(entry.logprob))
         result.token_logprobs.append(clamp(entry.logprob))
         result.top_logprobs.append(top)
-    return result, offset
+    return result
 
 
-def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
-    """Consecutive pieces of one choice's logprobs joined into one."""
-    return CompletionLogprobs(
-        tokens=[t for p in parts for t in p.tokens],
-        token_logprobs=[t for p in parts for t in p.token_logprobs],
-        top_logprobs=[t for p in parts for t in p.top_logprobs],
-        text_offset=[t for p in parts for t in p.text_offset],
-    )
+def completion_logprobs(texts: TokenText, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None],
+                        offset: int) -> tuple[CompletionLogprobs, int]:
+    """Legacy logprobs of `token_ids` whose text starts at character `offset` of the choice;
+    returns them and the offset after the last token."""
+    offsets = text_offsets(texts, token_ids, offset)
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    return _fill_completion(result, texts, token_ids, logprobs, offsets[:-1]), offsets[-1]
+
+
+def completion_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob],
+                              offsets: Sequence[int]) -> CompletionDraftLogprobs:
+    """Legacy logprobs of one delta's drafts. `offsets` are the `text_offsets` of the delta's
+    emitted tokens: draft j sits where the delta's j-th token does (for a delta of one step, the
+    token emitted at the draft's position), a draft past the emitted tokens at their end."""
+    result = CompletionDraftLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[],
+                                     accepted=[d.accepted for d in drafts])
+    text_offset = [offsets[min(j, len(offsets) - 1)] for j in range(len(drafts))]
+    return _fill_completion(result, texts, [d.token_id for d in drafts], drafts, text_offset)
+
+
+def merge_completion_logprobs(parts: Sequence[L], kind: type[L]) -> L:
+    """Consecutive pieces of one choice's logprobs (or draft logprobs) joined into one."""
+    return kind(**{name: [x for p in parts for x in getattr(p, name)] for name in kind.__struct_fields__})
+
+
+def _chat_fields(texts: TokenText, entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": texts.text(entry.token_id), "logprob": clamp(entry.logprob), "bytes": texts.bytes(entry.token_id),
+            "top_logprobs": [TopLogprob(token=texts.text(t), logprob=clamp(lp), bytes=texts.bytes(t))
+                             for t, lp in entry.top]}
 
 
 def chat_logprobs(texts: TokenText, logprobs: Sequence[TokenLogprob]) -> list[ChatTokenLogprob]:
     """Chat `logprobs.content` entries: each token with its bytes and the top alternatives."""
-    return [
-        ChatTokenLogprob(
-            token=texts.text(entry.token_id), logprob=clamp(entry.logprob), bytes=texts.bytes(entry.token_id),
-            top_logprobs=[TopLogprob(token=texts.text(t), logprob=clamp(lp), bytes=texts.bytes(t))
-                          for t, lp in entry.top],
-        )
-        for entry in logprobs
-    ]
+    return [ChatTokenLogprob(**_chat_fields(texts, entry)) for entry in logprobs]
+
+
+def chat_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob]) -> list[ChatDraftTokenLogprob]:
+    """Chat `draft_logprobs.content` entries: the `logprobs.content` form plus `accepted`."""
+    return [ChatDraftTokenLogprob(**_chat_fields(texts, d), accepted=d.accepted) for d in drafts]

@@ -2,6 +2,9 @@
 
 Request fields are optional and nullable where the OpenAI API allows it; unknown fields are
 ignored, as OpenAI-compatible servers do. Defaults are applied in `server.sampling`.
+
+Response fields typed `... | UnsetType = UNSET` are left out of the JSON unless set: choices
+carry `draft_logprobs` only for requests that ask for them.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ class SpeculativeOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields both generation endpoints share: sampling, stopping, penalties, vLLM's extras and
-    `speculative`."""
+    """Fields both generation endpoints share: sampling, stopping, penalties, vLLM's extras,
+    `speculative` and `include_draft_logprobs`."""
 
     model: str | None = None
     temperature: float | None = None
@@ -47,6 +50,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     speculative: SpeculativeOptions | None = None
+    include_draft_logprobs: bool | None = None  # each choice lists its drafts' logprobs (`draft_logprobs`)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -115,12 +119,19 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]  # character offset of each token in the choice's text
 
 
+class CompletionDraftLogprobs(CompletionLogprobs):
+    """Proposed drafts in the legacy format, with the verifier's verdict on each."""
+
+    accepted: list[bool]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    draft_logprobs: CompletionDraftLogprobs | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class CompletionResponse(msgspec.Struct, omit_defaults=True):
@@ -160,6 +171,16 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
+class ChatDraftTokenLogprob(ChatTokenLogprob):
+    """A proposed draft token with the verifier's verdict."""
+
+    accepted: bool
+
+
+class ChatDraftLogprobs(msgspec.Struct):
+    content: list[ChatDraftTokenLogprob]
+
+
 class AssistantMessage(msgspec.Struct):
     role: str
     content: str
@@ -171,6 +192,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    draft_logprobs: ChatDraftLogprobs | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class ChatCompletionResponse(msgspec.Struct, omit_defaults=True):
@@ -194,6 +216,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    draft_logprobs: ChatDraftLogprobs | msgspec.UnsetType = msgspec.UNSET  # when asked for
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):

@@ -43,6 +43,7 @@ def _sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: i
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        include_draft_logprobs=bool(req.include_draft_logprobs),
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
     )
 

@@ -12,16 +12,17 @@ def to_host(xp: Any, array: Any) -> np.ndarray:
     return np.asarray(array) if xp is np else array.get()
 
 
-def fetch_columns(xp: Any, columns: list[Any]) -> list[np.ndarray]:
-    """Bring several [R, c_i] device arrays to the host in ONE transfer.
+def fetch_arrays(xp: Any, arrays: list[Any]) -> list[np.ndarray]:
+    """Bring several device arrays of any shapes to the host in ONE transfer.
 
-    They travel stacked as float64, which holds int32/int64 token ids (< 2**53) and float32
-    values exactly; each comes back as float64 [R, c_i] for the caller to cast.
+    They travel flattened and concatenated as float64, which holds int32/int64 token ids (< 2**53),
+    booleans and float32 values exactly; each comes back as float64 in its own shape.
     """
-    widths = [c.shape[1] for c in columns]
-    packed = to_host(xp, xp.concatenate([c.astype(xp.float64) for c in columns], axis=1))  # [R, sum c_i]
-    bounds = np.cumsum([0] + widths)
-    return [packed[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    if not arrays:
+        return []
+    packed = to_host(xp, xp.concatenate([a.astype(xp.float64).ravel() for a in arrays]))  # [sum sizes]
+    bounds = np.cumsum([0] + [a.size for a in arrays])
+    return [packed[lo:hi].reshape(a.shape) for a, lo, hi in zip(arrays, bounds[:-1], bounds[1:])]
 
 
 def stable_argsort(xp: Any, values: Any) -> Any:
@@ -53,28 +54,72 @@ def top_k_indices(xp: Any, values: Any, k: int) -> Any:
     return xp.take_along_axis(ids, order, axis=1)
 
 
+def log_normalizers(xp: Any, x: Any) -> tuple[Any, Any]:
+    """Per-row (peak [R, 1] f32, log_total [R, 1] f64) of logits x [R, V] f32, so that
+    log_softmax(x)[r, t] = f32(f64(x[r, t] - peak[r]) - log_total[r])."""
+    peak = x.max(axis=1, keepdims=True)  # [R, 1]
+    log_total = xp.log(xp.exp(x - peak).sum(axis=1, keepdims=True, dtype=xp.float64))  # [R, 1] f64
+    return peak, log_total
+
+
+def logprobs_at(xp: Any, x: Any, peak: Any, log_total: Any, ids: Any) -> Any:
+    """log_softmax(x) at ids [R, c] -> [R, c] f32, from log_normalizers' outputs."""
+    return ((xp.take_along_axis(x, ids, axis=1) - peak).astype(xp.float64) - log_total).astype(xp.float32)
+
+
+def _check_logits(logits: Any, k: int) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be 2-D [R, V], got shape {logits.shape}")
+    if not 0 <= k <= logits.shape[1]:
+        raise ValueError(f"k must lie in [0, {logits.shape[1]}] (the vocabulary size), got {k}")
+
+
+KERNEL_MAX_K = 20  # cuda/logsoftmax_topk.cu keeps at most this many candidates per thread
+
+
+def _top_logprobs_cuda(logits: Any, rows: Any, k: int) -> tuple[Any, Any, Any, Any]:
+    import cupy as cp
+
+    from cupyspec.kernels import load_kernel
+
+    count = len(rows)
+    peak, log_total = cp.empty(count, cp.float32), cp.empty(count, cp.float64)
+    top_ids, top_lps = cp.empty((count, k), cp.int64), cp.empty((count, k), cp.float32)
+    if count:
+        load_kernel("logsoftmax_topk", "logsoftmax_topk")(
+            (count,), (256,), (cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
+                               cp.asarray(rows, dtype=cp.int64), np.int32(k), peak, log_total, top_ids, top_lps))
+    return peak, log_total, top_ids, top_lps
+
+
+def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None) -> tuple[Any, Any, Any, Any]:
+    """Device arrays (peak [R] f32, log_total [R] f64, top ids [R, k] int64, top logprobs [R, k] f32)
+    of log_softmax over the rows of logits [R_all, V] picked by rows [R] (default: all rows).
+    The normalizers give any other token's logprob later (`logprobs_at`). On a GPU this is one
+    kernel, cuda/logsoftmax_topk.cu, with these lines as its twin."""
+    _check_logits(logits, k)
+    if rows is None:
+        rows = xp.arange(logits.shape[0])
+    if xp is not np and k <= KERNEL_MAX_K:
+        return _top_logprobs_cuda(logits, rows, k)
+    x = logits[xp.asarray(rows)].astype(xp.float32, copy=False)  # [R, V]
+    peak, log_total = log_normalizers(xp, x)
+    top_ids = top_k_indices(xp, x, k)  # [R, k]
+    return peak[:, 0], log_total[:, 0], top_ids, logprobs_at(xp, x, peak, log_total, top_ids)
+
+
 def logprobs_on_device(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[Any, Any, Any]:
     """Device arrays (logprob [R] f32, top ids [R, k] int64, top logprobs [R, k] f32) of log_softmax(logits).
 
     logits [R, V]; token_ids [R] are the tokens whose logprobs are wanted.
     """
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be 2-D [R, V], got shape {logits.shape}")
-    rows, vocab = logits.shape
-    if not 0 <= k <= vocab:
-        raise ValueError(f"k must lie in [0, {vocab}] (the vocabulary size), got {k}")
+    _check_logits(logits, k)
     token_ids = xp.asarray(token_ids, dtype=xp.int64).reshape(-1)  # [R]
-    if token_ids.shape[0] != rows:
-        raise ValueError(f"token_ids has {token_ids.shape[0]} entries for {rows} logits rows")
-    x = logits.astype(xp.float32, copy=False)  # [R, V]
-    peak = x.max(axis=1, keepdims=True)  # [R, 1]
-    log_total = xp.log(xp.exp(x - peak).sum(axis=1, keepdims=True, dtype=xp.float64))  # [R, 1] f64
-
-    def logprob_of(ids: Any) -> Any:  # ids [R, c] -> [R, c] f32
-        return ((xp.take_along_axis(x, ids, axis=1) - peak).astype(xp.float64) - log_total).astype(xp.float32)
-
-    top_ids = top_k_indices(xp, x, k)  # [R, k]
-    return logprob_of(token_ids[:, None])[:, 0], top_ids, logprob_of(top_ids)
+    if token_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"token_ids has {token_ids.shape[0]} entries for {logits.shape[0]} logits rows")
+    peak, log_total, top_ids, top_lps = top_logprobs_on_device(xp, logits, k)
+    x = logits.astype(xp.float32, copy=False)
+    return logprobs_at(xp, x, peak[:, None], log_total[:, None], token_ids[:, None])[:, 0], top_ids, top_lps
 
 
 def compute_logprobs(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,5 +128,5 @@ def compute_logprobs(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[np.n
     For prompt logprobs pass the logits of positions i and token_ids the prompt tokens i + 1.
     """
     chosen, top_ids, top_lps = logprobs_on_device(xp, logits, token_ids, k)
-    chosen, top_ids, top_lps = fetch_columns(xp, [chosen[:, None], top_ids, top_lps])
-    return chosen[:, 0].astype(np.float32), top_ids.astype(np.int64), top_lps.astype(np.float32)
+    chosen, top_ids, top_lps = fetch_arrays(xp, [chosen, top_ids, top_lps])
+    return chosen.astype(np.float32), top_ids.astype(np.int64), top_lps.astype(np.float32)

@@ -29,6 +29,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
     prompt_logprobs: int | None = None  # same, for the prompt tokens (completions `echo`)
+    include_draft_logprobs: bool = False  # each proposed draft's target logprob (top `logprobs` alternatives)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -51,6 +52,7 @@ class SamplingParams:
             value = getattr(self, name)
             need(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
                  f"must be an integer from 0 to {MAX_LOGPROBS}")
+        need(isinstance(self.include_draft_logprobs, bool), "include_draft_logprobs", "must be a boolean")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
 

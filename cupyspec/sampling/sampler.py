@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from cupyspec.sampling.logprobs import fetch_columns, logprobs_on_device, stable_argsort
+from cupyspec.sampling.logprobs import fetch_arrays, logprobs_on_device, stable_argsort
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
 
@@ -139,8 +139,8 @@ def sample(xp: Any, logits: Any, rows: list[SamplingRow]) -> SamplerOutput:
     tokens, _ = pick_tokens(xp, penalized_logits(xp, logits, rows), rows, drawn_rows(rows))
 
     if not asked:
-        return SamplerOutput(fetch_columns(xp, [tokens[:, None]])[0][:, 0].astype(np.int64), None, None, None)
+        return SamplerOutput(fetch_arrays(xp, [tokens])[0].astype(np.int64), None, None, None)
     chosen, top_ids, top_lps = logprobs_on_device(xp, logits, tokens, max(asked))
-    host = fetch_columns(xp, [tokens[:, None], chosen[:, None], top_ids, top_lps])
-    return SamplerOutput(host[0][:, 0].astype(np.int64), host[1][:, 0].astype(np.float32),
+    host = fetch_arrays(xp, [tokens, chosen, top_ids, top_lps])
+    return SamplerOutput(host[0].astype(np.int64), host[1].astype(np.float32),
                          host[2].astype(np.int64), host[3].astype(np.float32))

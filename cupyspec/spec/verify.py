@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.sampling.logprobs import fetch_columns
+from cupyspec.sampling.logprobs import fetch_arrays
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
@@ -79,6 +79,28 @@ class VerifyOutput:
     num_accepted_drafts: np.ndarray  # [B] int64
     accepted_mask: np.ndarray  # [B, K] bool: draft j accepted
 
+    @classmethod
+    def of(cls, inp: VerifyInput, num_accepted: np.ndarray, emitted: np.ndarray) -> VerifyOutput:
+        """Host output arrays from the accepted draft counts [B] and the emitted last tokens [B]."""
+        batch, k = inp.draft_token_ids.shape
+        accepted = np.arange(k)[None, :] < num_accepted[:, None]  # [B, K]
+        out = np.full((batch, k + 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        out[:, :k] = np.where(accepted, inp.draft_token_ids, PLACEHOLDER_TOKEN_ID)
+        out[np.arange(batch), num_accepted] = emitted
+        return cls(out, num_accepted + 1, num_accepted, accepted)
+
+
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """Verification results still on the device, for consumers that fuse more work before the transfer."""
+
+    num_accepted: Any  # [B] int64: drafts before the first rejection
+    emitted: Any  # [B] int64: the bonus or correction token after them
+
+    def to_host(self, xp: Any, inp: VerifyInput) -> VerifyOutput:
+        num_accepted, emitted = fetch_arrays(xp, [self.num_accepted, self.emitted])
+        return VerifyOutput.of(inp, num_accepted.astype(np.int64), emitted.astype(np.int64))
+
 
 def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
               inp: VerifyInput) -> tuple[Any, Any | None]:
@@ -100,19 +122,12 @@ def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
     return u * q_draft < p_draft, residual_pick
 
 
-def _assemble(inp: VerifyInput, num_accepted: np.ndarray, emitted: np.ndarray) -> VerifyOutput:
-    """Host output arrays from the accepted draft counts [B] and the emitted last tokens [B]."""
-    batch, k = inp.draft_token_ids.shape
-    accepted = np.arange(k)[None, :] < num_accepted[:, None]  # [B, K]
-    out = np.full((batch, k + 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
-    out[:, :k] = np.where(accepted, inp.draft_token_ids, PLACEHOLDER_TOKEN_ID)
-    out[np.arange(batch), num_accepted] = emitted
-    return VerifyOutput(out, num_accepted + 1, num_accepted, accepted)
+def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejection",
+                     accept_policy: str = "normal") -> DeviceVerdict:
+    """Accept drafts and pick each request's bonus or correction token, without a host transfer.
 
-
-def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejection",
-           accept_policy: str = "normal") -> VerifyOutput:
-    """Accept drafts and pick each request's bonus or correction token; target_logits [R, V] f32 on the device."""
+    target_logits [R, V] f32 on the device.
+    """
     if strategy not in VERIFY_STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(VERIFY_STRATEGIES)}, not {strategy!r}")
     if accept_policy not in ACCEPT_POLICIES:
@@ -128,14 +143,14 @@ def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejec
     if inp.draft_probs is not None and tuple(inp.draft_probs.shape) != (batch, k, vocab):
         raise ValueError(f"draft_probs must have shape [B={batch}, K={k}, V={vocab}], got {inp.draft_probs.shape}")
     if batch == 0:
-        return _assemble(inp, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return DeviceVerdict(xp.zeros(0, xp.int64), xp.zeros(0, xp.int64))
 
     target = score_rows(xp, target_logits.astype(xp.float32, copy=False), inp.rows, layout)
     first_row = np.cumsum(inp.num_drafts + 1) - (inp.num_drafts + 1)  # [B]
     if accept_policy != "normal" or not layout.rows.size:
         num_accepted = inp.num_drafts if accept_policy == "accept_all" else np.zeros(batch, np.int64)
         emitted = target.tokens[xp.asarray(first_row + num_accepted)]  # [B]
-        return _assemble(inp, num_accepted, fetch_columns(xp, [emitted[:, None]])[0][:, 0].astype(np.int64))
+        return DeviceVerdict(xp.asarray(num_accepted), emitted.astype(xp.int64))
 
     accepted, residual_pick = _accepted(xp, strategy, target, layout, inp)  # [D], [D] or None
     grid = xp.zeros((batch, k), dtype=xp.int32)  # [B, K]; 0 past each request's drafts
@@ -145,6 +160,10 @@ def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejec
     if residual_pick is not None:
         emit_at = emit_at.copy()
         emit_at[xp.asarray(layout.rows)] = residual_pick
-    emitted = emit_at[xp.asarray(first_row) + count]  # [B]
-    host = fetch_columns(xp, [count[:, None], emitted[:, None]])
-    return _assemble(inp, host[0][:, 0].astype(np.int64), host[1][:, 0].astype(np.int64))
+    return DeviceVerdict(count, emit_at[xp.asarray(first_row) + count].astype(xp.int64))
+
+
+def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejection",
+           accept_policy: str = "normal") -> VerifyOutput:
+    """verify_on_device, then one transfer of its results to the host."""
+    return verify_on_device(xp, target_logits, inp, strategy, accept_policy).to_host(xp, inp)

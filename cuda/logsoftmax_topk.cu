@@ -1,0 +1,106 @@
+// Row log-softmax normalizers and top-k; twin: top_logprobs_on_device in cupyspec/sampling/logprobs.py.
+//
+// One block per selected row r of logits [R, V] (rows[r] picks it). Outputs
+//   peak[r] = max_t x[t], log_total[r] = log sum_t exp(x[t] - peak) (f64 sum),
+//   the k largest entries, largest first, ties broken by the lower index, and their logprobs
+//   f32(f64(x[t] - peak) - log_total).
+// Top-k: each thread keeps a sorted list of its k best over a strided slice of the row, then k
+// rounds of a block-wide arg-max over the threads' list heads pick the winners in order.
+
+#define THREADS 256
+#define MAX_K 20
+#define NEG_INF __int_as_float(0xff800000)
+
+struct Best {
+    float value;
+    int index;  // INT_MAX: empty
+};
+
+__device__ __forceinline__ bool better(Best a, Best b) {  // larger value first, then lower index
+    return a.value > b.value || (a.value == b.value && a.index < b.index);
+}
+
+__device__ Best block_best(Best mine, Best* scratch) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        Best other{__shfl_down_sync(0xffffffff, mine.value, offset), __shfl_down_sync(0xffffffff, mine.index, offset)};
+        if (better(other, mine)) mine = other;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) scratch[warp] = mine;
+    __syncthreads();
+    if (warp == 0) {
+        mine = lane < THREADS / 32 ? scratch[lane] : Best{NEG_INF, 0x7fffffff};
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            Best other{__shfl_down_sync(0xffffffff, mine.value, offset), __shfl_down_sync(0xffffffff, mine.index, offset)};
+            if (better(other, mine)) mine = other;
+        }
+        if (lane == 0) scratch[0] = mine;
+    }
+    __syncthreads();
+    const Best result = scratch[0];
+    __syncthreads();
+    return result;
+}
+
+__device__ double block_sum(double mine, double* scratch) {
+    for (int offset = 16; offset > 0; offset >>= 1) mine += __shfl_down_sync(0xffffffff, mine, offset);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) scratch[warp] = mine;
+    __syncthreads();
+    if (warp == 0) {
+        mine = lane < THREADS / 32 ? scratch[lane] : 0.0;
+        for (int offset = 16; offset > 0; offset >>= 1) mine += __shfl_down_sync(0xffffffff, mine, offset);
+        if (lane == 0) scratch[0] = mine;
+    }
+    __syncthreads();
+    const double result = scratch[0];
+    __syncthreads();
+    return result;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) logsoftmax_topk(
+    const float* __restrict__ logits, long long vocab,   // [R_all, V]
+    const long long* __restrict__ rows,                 // [R] rows of logits to process
+    int k,                                              // 0..MAX_K
+    float* __restrict__ peak,                           // [R]
+    double* __restrict__ log_total,                     // [R]
+    long long* __restrict__ top_ids,                    // [R, k]
+    float* __restrict__ top_lps)                        // [R, k]
+{
+    __shared__ Best best_scratch[THREADS / 32];
+    __shared__ double sum_scratch[THREADS / 32];
+    const int r = blockIdx.x;
+    const float* x = logits + rows[r] * vocab;
+
+    // ---- this thread's k best, and its maximum ----
+    Best list[MAX_K];
+    for (int c = 0; c < MAX_K; ++c) list[c] = Best{NEG_INF, 0x7fffffff};
+    Best top{NEG_INF, 0x7fffffff};
+    for (long long t = threadIdx.x; t < vocab; t += THREADS) {
+        const Best candidate{x[t], (int)t};
+        if (better(candidate, top)) top = candidate;
+        if (k > 0 && better(candidate, list[k - 1])) {  // insert, keeping the list sorted
+            int c = k - 1;
+            while (c > 0 && better(candidate, list[c - 1])) { list[c] = list[c - 1]; --c; }
+            list[c] = candidate;
+        }
+    }
+    const float row_peak = block_best(top, best_scratch).value;
+
+    // ---- log sum exp ----
+    double sum = 0.0;
+    for (long long t = threadIdx.x; t < vocab; t += THREADS) sum += (double)expf(x[t] - row_peak);
+    const double row_log_total = log(block_sum(sum, sum_scratch));
+    if (threadIdx.x == 0) { peak[r] = row_peak; log_total[r] = row_log_total; }
+
+    // ---- k rounds of arg-max over the list heads ----
+    int head = 0;
+    for (int c = 0; c < k; ++c) {
+        const Best winner = block_best(head < k ? list[head] : Best{NEG_INF, 0x7fffffff}, best_scratch);
+        if (head < k && list[head].index == winner.index) ++head;
+        if (threadIdx.x == 0) {
+            top_ids[(long long)r * k + c] = winner.index;
+            top_lps[(long long)r * k + c] = (float)((double)(winner.value - row_peak) - row_log_total);
+        }
+    }
+}

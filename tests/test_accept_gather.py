@@ -1,0 +1,138 @@
+"""The fused accept-and-gather step: the twin against a per-request reference, the kernel against the twin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.sampling.sampler import SamplingRow
+from cupyspec.spec.accept_gather import LogprobLayout, RowLogprobs, accept_and_gather, fetch_gathered
+from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
+from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def random_case(rng: np.random.Generator, batch: int, max_drafts: int, vocab: int, k: int) -> dict:
+    num_drafts = rng.integers(0, max_drafts + 1, batch)  # [B]
+    drafts = np.full((batch, max(max_drafts, 1)), PLACEHOLDER_TOKEN_ID, np.int64)
+    for b, n in enumerate(num_drafts):
+        drafts[b, :n] = rng.integers(0, vocab, n)
+    first_row = np.concatenate([[0], np.cumsum(num_drafts + 1)])  # [B+1]
+    logits = (rng.standard_normal((int(first_row[-1]), vocab)) * 3).astype(np.float32)  # [R, V]
+    wants_tokens, wants_drafts = rng.random(batch) < 0.6, rng.random(batch) < 0.5
+    wants_tokens[0] = wants_drafts[0] = True
+    return dict(num_drafts=num_drafts, drafts=drafts, first_row=first_row, logits=logits, k=k,
+                layout=LogprobLayout.build(first_row, num_drafts, wants_tokens, wants_drafts),
+                num_accepted=rng.integers(0, num_drafts + 1), emitted=rng.integers(0, vocab, batch),
+                wants_tokens=wants_tokens, wants_drafts=wants_drafts)
+
+
+def gather(xp, case: dict, rows: RowLogprobs | None = None) -> list[np.ndarray]:  # noqa: ANN001
+    logits = xp.asarray(case["logits"])
+    rows = rows or RowLogprobs.compute(xp, logits, case["layout"], case["k"])
+    num_accepted, emitted = xp.asarray(case["num_accepted"]), xp.asarray(case["emitted"])
+    out = accept_and_gather(xp, logits, rows, case["layout"], case["drafts"], case["num_drafts"], num_accepted, emitted)
+    return fetch_gathered(xp, out, num_accepted, emitted)
+
+
+@pytest.mark.parametrize("batch,max_drafts,k", [(1, 0, 0), (5, 3, 2), (17, 8, 20), (64, 5, 5)])
+def test_twin_matches_a_per_request_reference(batch: int, max_drafts: int, k: int) -> None:
+    rng = np.random.default_rng(batch * 10 + k)
+    case = random_case(rng, batch, max_drafts, vocab=300, k=k)
+    _, _, cu, token_ids, token_lps, token_top_ids, token_top_lps, draft_lps, draft_top_ids, _ = gather(np, case)
+    slot, draft_slot = 0, 0
+    for b in range(batch):
+        accepted, n = case["num_accepted"][b], case["num_drafts"][b]
+        lps = [log_softmax(case["logits"][case["first_row"][b] + j]) for j in range(n + 1)]
+        assert cu[b] == slot
+        if case["wants_tokens"][b]:
+            for j in range(accepted + 1):
+                token = case["drafts"][b, j] if j < accepted else case["emitted"][b]
+                assert token_ids[slot] == token and abs(token_lps[slot] - lps[j][token]) < 1e-5
+                top = np.argsort(-lps[j], kind="stable")[:k]
+                np.testing.assert_array_equal(token_top_ids[slot], top)
+                np.testing.assert_allclose(token_top_lps[slot], lps[j][top], atol=1e-5)
+                slot += 1
+        if case["wants_drafts"][b]:
+            for j in range(n):
+                assert abs(draft_lps[draft_slot] - lps[j][case["drafts"][b, j]]) < 1e-5
+                np.testing.assert_array_equal(draft_top_ids[draft_slot], np.argsort(-lps[j], kind="stable")[:k])
+                draft_slot += 1
+    assert cu[batch] == slot and np.all(token_ids[slot:] == PLACEHOLDER_TOKEN_ID) and draft_slot == len(draft_lps)
+
+
+def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted() -> None:
+    rng = np.random.default_rng(3)
+    vocab = 50
+    drafts = [list(rng.integers(0, vocab, n)) for n in (0, 2, 4)]
+    num_drafts = np.array([len(d) for d in drafts])
+    padded = np.full((3, 4), PLACEHOLDER_TOKEN_ID, np.int64)
+    for b, d in enumerate(drafts):
+        padded[b, :len(d)] = d
+    rows = tuple(SamplingRow(SamplingParams(temperature=0.0), 0.0) for _ in range(int((num_drafts + 1).sum())))
+    inp = VerifyInput(padded, num_drafts, None, rows, np.zeros(len(rows)))
+    logits = rng.standard_normal((len(rows), vocab)).astype(np.float32)
+    plain = verify(np, logits, inp, "rejection")
+    step = verify_with_logprobs(np, logits, inp, LogprobRequests((None, 2, None), (False, False, True)),
+                                "rejection", "normal")
+    np.testing.assert_array_equal(step.verify.output_token_ids, plain.output_token_ids)
+    assert step.token_logprobs[0] is None and step.token_logprobs[2] is None
+    assert [lp.token_id for lp in step.token_logprobs[1]] == plain.output_token_ids[1, :plain.accept_num[1]].tolist()
+    assert step.draft_logprobs[:2] == (None, None) and len(step.draft_logprobs[2]) == 4
+    assert [d.accepted for d in step.draft_logprobs[2]] == plain.accepted_mask[2].tolist()
+    assert all(d.top == () for d in step.draft_logprobs[2])  # no top logprobs asked by that request
+
+
+# ---------------------------------------------------------------- device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_drafts,k", [(1, 0, 0), (3, 1, 1), (17, 8, 20), (256, 5, 5), (300, 8, 3)])
+def test_kernel_matches_twin(batch: int, max_drafts: int, k: int) -> None:
+    import cupy
+
+    case = random_case(np.random.default_rng(batch + k), batch, max_drafts, vocab=49152, k=k)
+    host_rows = RowLogprobs.compute(np, case["logits"], case["layout"], k)
+    device_rows = RowLogprobs(*(cupy.asarray(a) for a in (host_rows.peak, host_rows.log_total, host_rows.top_ids,
+                                                          host_rows.top_lps)))
+    for want, got in zip(gather(np, case, host_rows), gather(cupy, case, device_rows)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlapped_step_equals_the_host_step(overlap: bool) -> None:
+    import cupy
+
+    rng = np.random.default_rng(8)
+    vocab, batch = 49152, 64
+    drafts = [list(rng.integers(0, vocab, n)) for n in rng.integers(0, 6, batch)]
+    num_drafts = np.array([len(d) for d in drafts])
+    padded = np.full((batch, 5), PLACEHOLDER_TOKEN_ID, np.int64)
+    for b, d in enumerate(drafts):
+        padded[b, :len(d)] = d
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9)]
+    rows = tuple(SamplingRow(kinds[i % 2], float(rng.random())) for i in range(int((num_drafts + 1).sum())))
+    inp = VerifyInput(padded, num_drafts, None, rows, rng.random(len(rows)))
+    logits = (rng.standard_normal((len(rows), vocab)) * 3).astype(np.float32)
+    for b in range(batch):  # make drafts likely: the draft is each row's argmax half of the time
+        for j, d in enumerate(drafts[b]):
+            if rng.random() < 0.5:
+                logits[int((num_drafts[:b] + 1).sum()) + j, d] = 30.0
+    wanted = LogprobRequests(tuple(5 if b % 3 else None for b in range(batch)), tuple(b % 2 == 0 for b in range(batch)))
+    host = verify_with_logprobs(np, logits, inp, wanted, "rejection", "normal")
+    stream = cupy.cuda.Stream(non_blocking=True) if overlap else None
+    device = verify_with_logprobs(cupy, cupy.asarray(logits), inp, wanted, "rejection", "normal", stream)
+    np.testing.assert_array_equal(device.verify.output_token_ids, host.verify.output_token_ids)
+    assert host.verify.num_accepted_drafts.sum() > 0
+    for want, got in [(host.token_logprobs, device.token_logprobs), (host.draft_logprobs, device.draft_logprobs)]:
+        for w, g in zip(want, got):
+            assert (w is None) == (g is None)
+            for a, b in zip(w or (), g or ()):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
