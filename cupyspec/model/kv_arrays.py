@@ -22,9 +22,3 @@ class KVCacheArrays:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
-
-    def write(self, layer: int, slot_mapping: Any, k: Any, v: Any) -> None:
-        """Store k, v [T, Hkv, D] at flat slots slot_mapping [T] (block * block_size + offset)."""
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        self.k[layer].reshape(-1, num_kv_heads, head_dim)[slot_mapping] = k
-        self.v[layer].reshape(-1, num_kv_heads, head_dim)[slot_mapping] = v

@@ -13,7 +13,8 @@ from cupyspec.batch import FlatBatch
 from cupyspec.config import ModelConfig
 from cupyspec.model.attention import paged_attention, paged_attention_cuda
 from cupyspec.model.kv_arrays import KVCacheArrays
-from cupyspec.model.ops import apply_rope, rms_norm, rope_tables, silu_mul
+from cupyspec.model.fused import add_rms_norm, rope_and_cache, swiglu
+from cupyspec.model.ops import rope_tables
 
 
 @dataclass(frozen=True)
@@ -73,25 +74,22 @@ class LlamaModel:
         positions = xp.asarray(batch.positions)
         slots = xp.asarray(batch.slot_mapping)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D/2] each
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_width = c.num_heads * c.head_dim
         scale = 1.0 / float(np.sqrt(c.head_dim))
         residual = self.embed[input_ids].astype(np.float32)  # [T, H] fp32 residual stream
         attend = self._attention_for(batch, positions, scale)
+        eps = c.rms_norm_eps
+        pending = None  # [T, H]: the last block's output, added to the residual by the next norm
         for i, w in enumerate(self.layers):
-            x = rms_norm(xp, residual, w.input_norm, c.rms_norm_eps, dt)  # [T, H]
+            x = add_rms_norm(xp, residual, pending, w.input_norm, eps, dt)  # [T, H]
             qkv = x @ w.qkv  # [T, (Hq + 2 Hkv) D]
             if w.qkv_bias is not None:
                 qkv = (qkv.astype(np.float32) + w.qkv_bias).astype(dt)
-            q = apply_rope(xp, qkv[:, :q_width].reshape(num_tokens, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(xp, qkv[:, q_width:q_width + kv_width].reshape(num_tokens, c.num_kv_heads, c.head_dim),
-                           cos, sin)
-            v = qkv[:, q_width + kv_width:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            kv.write(i, slots, k, v)
+            q = rope_and_cache(xp, qkv, cos, sin, slots, kv.k[i], kv.v[i], c.num_heads, c.num_kv_heads)
             attn = attend(q, kv.k[i], kv.v[i])  # [T, Hq, D]
-            residual += (attn.reshape(num_tokens, q_width) @ w.o).astype(np.float32)
-            x = rms_norm(xp, residual, w.post_norm, c.rms_norm_eps, dt)
-            residual += (silu_mul(xp, x @ w.gate_up) @ w.down).astype(np.float32)
-        return rms_norm(xp, residual, self.final_norm, c.rms_norm_eps, dt)
+            x = add_rms_norm(xp, residual, attn.reshape(num_tokens, q_width) @ w.o, w.post_norm, eps, dt)
+            pending = swiglu(xp, x @ w.gate_up) @ w.down  # [T, H]
+        return add_rms_norm(xp, residual, pending, self.final_norm, eps, dt)
 
     def _attention_for(self, batch: FlatBatch, positions: Any, scale: float) -> Callable[[Any, Any, Any], Any]:
         """attention(q, k_cache, v_cache) for this batch: the CUDA kernel on a GPU, else the twin."""
