@@ -1,16 +1,73 @@
 // Paged append attention over a flat ragged batch.
 //
-// One warp per (query token, query head). The query at position p of request b attends to the
-// cached positions 0..p of b, whose K/V sit in the blocks block_tables[b, :]. Any mix of prefill
-// chunks, verify segments and decode tokens runs in one launch. Online softmax in fp32.
+// Row t (a query token) of request b = batch_id_per_token[t] at position p = positions[t] attends to
+// the cached positions 0..p of b, whose K/V sit in the blocks block_tables[b, :]. Any mix of prefill
+// chunks, verify segments and decode tokens runs in one launch. Softmax in fp32.
 // NumPy twin: cupyspec/model/attention.py (paged_attention).
+//
+// Work split. A CTA of NUM_WARPS warps serves one row and HEADS query heads of one KV head's GQA
+// group, so that each K/V row is read once for all of them. The row's positions are cut into
+// partitions of PARTITION positions, a partition into tiles that go round-robin to the warps. In a
+// warp, a group of LANES lanes reads one position's K/V row (16 bytes a lane, STEP positions at once)
+// and keeps its own online softmax over the positions it reads. At the end of a partition the lane
+// groups merge by shuffles, then the warps through shared memory, in a fixed order.
+//
+// Partitions are folded left to right. With gridDim.z == 1 a CTA folds all its row's partitions
+// itself. With gridDim.z == the most partitions a row can have (flash-decoding: few rows, long
+// contexts) CTA z computes partition z only, writes its state to partial_*, and
+// paged_attention_merge folds the states. Both paths do the same arithmetic in the same order (the
+// merges use no fused multiply-adds), so a row's output depends on that row alone: not on the other
+// rows, on their number, or on the path the wrapper picked.
 
 #include <cuda_fp16.h>
 
 #define WARP 32
-#define MAX_DIMS_PER_LANE 4  // head_dim <= 128
+#define FULL_MASK 0xffffffffu
+#define NUM_WARPS 4
+#define NUM_THREADS (WARP * NUM_WARPS)
+#define PARTITION 256  // positions per partition; PARTITION in cupyspec/model/attention.py
+#define NEG_INF __int_as_float(0xff800000)
+#define LOG2E 1.4426950408889634f
 
-extern "C" __global__ void paged_attention_f16(
+__device__ __forceinline__ float exp2_approx(float x) {  // 2^x, with 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float half_at(uint4 raw, int i) {  // the i-th of 8 packed halves
+  const unsigned int word = i < 2 ? raw.x : i < 4 ? raw.y : i < 6 ? raw.z : raw.w;
+  return __half2float(__ushort_as_half((unsigned short)(i % 2 ? word >> 16 : word & 0xffffu)));
+}
+
+// Merging two softmax states (max, sum, accumulator) with maxima m1 and m2: the new maximum and the
+// factors that bring each side to it. With `combine`, symmetric in its sides and written without fused
+// multiply-adds, a merge gives the same bits in whichever kernel or lane it runs.
+struct Rescale {
+  float max, first, second;
+};
+
+__device__ __forceinline__ Rescale rescale(float m1, float m2) {
+  const float m = fmaxf(m1, m2);
+  const float ref = m == NEG_INF ? 0.f : m;  // both sides empty: factors 0, not NaN
+  return {m, exp2_approx(m1 - ref), exp2_approx(m2 - ref)};
+}
+
+__device__ __forceinline__ float combine(float x1, float c1, float x2, float c2) {
+  return __fadd_rn(__fmul_rn(x1, c1), __fmul_rn(x2, c2));
+}
+
+// Folds the state (pm, ps, pa) of one output element into the state (m, s, a).
+__device__ __forceinline__ void fold(float& m, float& s, float& a, float pm, float ps, float pa) {
+  const Rescale r = rescale(m, pm);
+  s = combine(s, r.first, ps, r.second);
+  a = combine(a, r.first, pa, r.second);
+  m = r.max;
+}
+
+// DP: head_dim (a multiple of 8) padded to 32, 64 or 128; HEADS: query heads of one GQA group per CTA.
+template <int DP, int HEADS>
+__device__ __forceinline__ void attend(
     const half* __restrict__ q,                  // [T, Hq, D]
     const half* __restrict__ k_cache,            // [num_blocks, block_size, Hkv, D]
     const half* __restrict__ v_cache,            // [num_blocks, block_size, Hkv, D]
@@ -18,46 +75,216 @@ extern "C" __global__ void paged_attention_f16(
     const int* __restrict__ batch_id_per_token,  // [T]
     const int* __restrict__ positions,           // [T]
     half* __restrict__ out,                      // [T, Hq, D]
-    int num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-    float scale) {
-  const int lane = threadIdx.x % WARP;
-  const int head = blockIdx.y * (blockDim.x / WARP) + threadIdx.x / WARP;
-  const int token = blockIdx.x;
-  if (token >= num_tokens || head >= num_heads) return;
-  const int kv_head = head / (num_heads / num_kv_heads);
-  const int batch = batch_id_per_token[token];
-  const int last = positions[token];
-  const int dims = head_dim / WARP;  // dims per lane, 1..MAX_DIMS_PER_LANE
+    float* __restrict__ partial_acc,             // [T, Hq, gridDim.z, D] when gridDim.z > 1
+    float2* __restrict__ partial_stats,          // [T, Hq, gridDim.z] (max, sum) when gridDim.z > 1
+    int num_heads, int num_kv_heads, int head_dim, int log2_block_size, int max_blocks, float scale) {
+  constexpr int LANES = DP / 8;                // lanes per K/V row, 8 dims each
+  constexpr int STEP = WARP / LANES;           // positions a warp reads at once
+  constexpr int UNROLL = HEADS <= 4 ? 4 : 2;   // steps per tile: loads in flight against registers
+  constexpr int TILE = UNROLL * STEP;          // positions of a tile
+  constexpr int ELEMS = (HEADS * DP + NUM_THREADS - 1) / NUM_THREADS;  // output elements per thread
+  __shared__ int blocks_s[PARTITION];                                 // the partition's KV blocks
+  __shared__ float acc_s[NUM_WARPS][HEADS][DP];                       // the warps' partition states
+  __shared__ float max_s[NUM_WARPS][HEADS], sum_s[NUM_WARPS][HEADS];
+  __shared__ float run_s[3][HEADS * DP];  // the fold over partitions (max, sum, acc) per element
 
-  float qv[MAX_DIMS_PER_LANE], acc[MAX_DIMS_PER_LANE];
-  const half* qrow = q + ((size_t)token * num_heads + head) * head_dim;
+  const int row = gridDim.x - 1 - blockIdx.x;  // the longest rows of a prefill chunk start first
+  const int last = positions[row];
+  const int num_parts = last / PARTITION + 1;
+  const bool split = gridDim.z > 1;
+  if (blockIdx.z >= num_parts) return;
+  const int group = num_heads / num_kv_heads, chunks = gridDim.y / num_kv_heads;
+  const int kv_head = blockIdx.y / chunks, first = (blockIdx.y % chunks) * HEADS;  // in the group
+  const int* table = block_tables + (size_t)batch_id_per_token[row] * max_blocks;
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int slice = lane % LANES, sub = lane / LANES;  // dims 8*slice.., position sub of a step
+  const bool dims_ok = slice * 8 < head_dim;
+
+  float qf[HEADS][8];  // q * scale * log2(e): scores in base 2
 #pragma unroll
-  for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
-    qv[i] = i < dims ? __half2float(qrow[i * WARP + lane]) * scale : 0.f;
-    acc[i] = 0.f;
+  for (int h = 0; h < HEADS; ++h) {
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (dims_ok && first + h < group)
+      raw = *reinterpret_cast<const uint4*>(
+          q + ((size_t)row * num_heads + kv_head * group + first + h) * head_dim + slice * 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qf[h][i] = half_at(raw, i) * (scale * LOG2E);
   }
-  float running_max = __int_as_float(0xff800000), running_sum = 0.f;  // -inf
-  const int* table = block_tables + (size_t)batch * max_blocks;
-  for (int pos = 0; pos <= last; ++pos) {
-    const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-    const size_t base = (slot * num_kv_heads + kv_head) * head_dim;
-    float dot = 0.f;
+
+  const int p_begin = blockIdx.z, p_end = split ? p_begin + 1 : num_parts;
+  for (int p = p_begin; p < p_end; ++p) {
+    const int start = p * PARTITION, len = min(PARTITION, last + 1 - start);
+    const int first_block = start >> log2_block_size;
+    for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += NUM_THREADS)
+      blocks_s[i] = table[first_block + i];
+    __syncthreads();
+
+    float m[HEADS], l[HEADS], acc[HEADS][8];  // this lane group's online softmax, base 2
 #pragma unroll
-    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
-      if (i < dims) dot += qv[i] * __half2float(k_cache[base + i * WARP + lane]);
+    for (int h = 0; h < HEADS; ++h) {
+      m[h] = NEG_INF;
+      l[h] = 0.f;
 #pragma unroll
-    for (int offset = WARP / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
-    const float new_max = fmaxf(running_max, dot);
-    const float correction = __expf(running_max - new_max);
-    const float weight = __expf(dot - new_max);
-    running_sum = running_sum * correction + weight;
+      for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+    }
+    const int tiles = (len + TILE - 1) / TILE;
+    for (int tile = warp; tile < tiles; tile += NUM_WARPS) {
+      uint4 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll
-    for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
-      if (i < dims) acc[i] = acc[i] * correction + weight * __half2float(v_cache[base + i * WARP + lane]);
-    running_max = new_max;
+      for (int u = 0; u < UNROLL; ++u) {
+        const int offset = tile * TILE + u * STEP + sub;  // in the partition
+        k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
+        if (offset < len && dims_ok) {
+          const int pos = start + offset;
+          const size_t slot = ((size_t)blocks_s[(pos >> log2_block_size) - first_block] << log2_block_size) +
+                              (pos & ((1 << log2_block_size) - 1));
+          const size_t at = (slot * num_kv_heads + kv_head) * head_dim + slice * 8;
+          k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + at));
+          v_raw[u] = __ldg(reinterpret_cast<const uint4*>(v_cache + at));
+        }
+      }
+      float s[UNROLL][HEADS];  // scores
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        float kf[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kf[i] = half_at(k_raw[u], i);
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+          float dot = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dot = fmaf(qf[h][i], kf[i], dot);
+#pragma unroll
+          for (int offset = LANES / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
+          s[u][h] = tile * TILE + u * STEP + sub < len ? dot : NEG_INF;
+        }
+      }
+      float correction[HEADS];  // and s becomes the weights 2^(s - max)
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) {
+        float tile_max = s[0][h];
+#pragma unroll
+        for (int u = 1; u < UNROLL; ++u) tile_max = fmaxf(tile_max, s[u][h]);
+        const float new_max = fmaxf(m[h], tile_max);
+        const float ref = new_max == NEG_INF ? 0.f : new_max;
+        correction[h] = exp2_approx(m[h] - ref);
+        float w_sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          s[u][h] = exp2_approx(s[u][h] - ref);
+          w_sum += s[u][h];
+        }
+        l[h] = fmaf(l[h], correction[h], w_sum);
+        m[h] = new_max;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float vf[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) vf[u] = half_at(v_raw[u], i);
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+          float a = acc[h][i] * correction[h];
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) a = fmaf(s[u][h], vf[u], a);
+          acc[h][i] = a;
+        }
+      }
+    }
+
+    // the lane groups of a warp, then the warps in order: the partition's state per output element
+#pragma unroll
+    for (int offset = LANES; offset < WARP; offset *= 2) {
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) {
+        const Rescale r = rescale(m[h], __shfl_xor_sync(FULL_MASK, m[h], offset));
+        l[h] = combine(l[h], r.first, __shfl_xor_sync(FULL_MASK, l[h], offset), r.second);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          acc[h][i] = combine(acc[h][i], r.first, __shfl_xor_sync(FULL_MASK, acc[h][i], offset), r.second);
+        m[h] = r.max;
+      }
+    }
+    if (sub == 0) {
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc_s[warp][h][slice * 8 + i] = acc[h][i];
+        if (lane == 0) max_s[warp][h] = m[h], sum_s[warp][h] = l[h];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < ELEMS; ++k) {
+      const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
+      if (e < HEADS * DP) {
+        float pm = max_s[0][h], ps = sum_s[0][h], pa = acc_s[0][h][d];
+#pragma unroll
+        for (int w = 1; w < NUM_WARPS; ++w) fold(pm, ps, pa, max_s[w][h], sum_s[w][h], acc_s[w][h][d]);
+        if (p == p_begin) {
+          run_s[0][e] = pm, run_s[1][e] = ps, run_s[2][e] = pa;
+        } else {
+          fold(run_s[0][e], run_s[1][e], run_s[2][e], pm, ps, pa);
+        }
+      }
+    }
+    __syncthreads();  // before blocks_s and the warps' states are reused
   }
-  half* orow = out + ((size_t)token * num_heads + head) * head_dim;
+
 #pragma unroll
-  for (int i = 0; i < MAX_DIMS_PER_LANE; ++i)
-    if (i < dims) orow[i * WARP + lane] = __float2half(acc[i] / running_sum);
+  for (int k = 0; k < ELEMS; ++k) {
+    const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
+    if (e < HEADS * DP && first + h < group && d < head_dim) {
+      const size_t head = (size_t)row * num_heads + kv_head * group + first + h;
+      if (split && num_parts > 1) {
+        partial_acc[(head * gridDim.z + p_begin) * head_dim + d] = run_s[2][e];
+        if (d == 0) partial_stats[head * gridDim.z + p_begin] = make_float2(run_s[0][e], run_s[1][e]);
+      } else {
+        out[head * head_dim + d] = __float2half_rn(__fdiv_rn(run_s[2][e], run_s[1][e]));
+      }
+    }
+  }
+}
+
+// paged_attention_d{DP}_h{HEADS}: grid (T, Hkv * ceil(group / HEADS), 1 or the most partitions),
+// NUM_THREADS threads. MIN_CTAS (resident per SM) caps the registers where that costs no spills.
+#define PAGED_ATTENTION(DP, HEADS, MIN_CTAS)                                                                 \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) paged_attention_d##DP##_h##HEADS(      \
+      const half* __restrict__ q, const half* __restrict__ k_cache, const half* __restrict__ v_cache,       \
+      const int* __restrict__ block_tables, const int* __restrict__ batch_id_per_token,                     \
+      const int* __restrict__ positions, half* __restrict__ out, float* __restrict__ partial_acc,            \
+      float2* __restrict__ partial_stats, int num_heads, int num_kv_heads, int head_dim, int log2_block_size, \
+      int max_blocks, float scale) {                                                                        \
+    attend<DP, HEADS>(q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out, partial_acc,   \
+                      partial_stats, num_heads, num_kv_heads, head_dim, log2_block_size, max_blocks, scale); \
+  }
+
+#define PAGED_ATTENTION_ALL_HEADS(DP, MIN_CTAS_6) \
+  PAGED_ATTENTION(DP, 1, 4)                       \
+  PAGED_ATTENTION(DP, 2, 4)                       \
+  PAGED_ATTENTION(DP, 3, 4)                       \
+  PAGED_ATTENTION(DP, 4, 3)                       \
+  PAGED_ATTENTION(DP, 6, MIN_CTAS_6)              \
+  PAGED_ATTENTION(DP, 8, 2)
+
+PAGED_ATTENTION_ALL_HEADS(32, 2)
+PAGED_ATTENTION_ALL_HEADS(64, 3)
+PAGED_ATTENTION_ALL_HEADS(128, 3)
+
+// Folds the partition states of split rows left to right. Grid (T, Hq), head_dim threads.
+extern "C" __global__ void __launch_bounds__(128) paged_attention_merge(
+    const float* __restrict__ partial_acc,      // [T, Hq, P, D]
+    const float2* __restrict__ partial_stats,   // [T, Hq, P] (max, sum)
+    const int* __restrict__ positions,          // [T]
+    half* __restrict__ out,                     // [T, Hq, D]
+    int num_heads, int head_dim, int num_partitions) {
+  const int row = blockIdx.x, d = threadIdx.x;
+  const int num_parts = positions[row] / PARTITION + 1;
+  if (num_parts == 1) return;  // the attention kernel wrote this row
+  const size_t head = (size_t)row * num_heads + blockIdx.y;
+  const float2* stats = partial_stats + head * num_partitions;
+  const float* acc = partial_acc + head * num_partitions * head_dim + d;
+  float m = stats[0].x, s = stats[0].y, a = acc[0];
+  for (int p = 1; p < num_parts; ++p) fold(m, s, a, stats[p].x, stats[p].y, acc[(size_t)p * head_dim]);
+  out[head * head_dim + d] = __float2half_rn(__fdiv_rn(a, s));
 }

@@ -9,7 +9,7 @@ extern "C" __global__ void rope_cache(
     const half* __restrict__ qkv,        // [T, (Hq + 2 Hkv) D]
     const float* __restrict__ cos,       // [T, D/2]
     const float* __restrict__ sin,       // [T, D/2]
-    const long long* __restrict__ slots, // [T] block * block_size + offset
+    const int* __restrict__ slots,       // [T] block * block_size + offset
     half* __restrict__ q_out,            // [T, Hq, D]
     half* __restrict__ k_cache,          // [slots, Hkv, D] this layer's
     half* __restrict__ v_cache,          // [slots, Hkv, D]
@@ -23,7 +23,7 @@ extern "C" __global__ void rope_cache(
     const long long t = index / ((long long)half_dim * heads);
     const half* x = qkv + (t * heads + head) * head_dim;
     if (head >= num_heads + num_kv_heads) {  // v: copied as it is
-        half* dst = v_cache + (slots[t] * num_kv_heads + head - num_heads - num_kv_heads) * head_dim;
+        half* dst = v_cache + ((long long)slots[t] * num_kv_heads + head - num_heads - num_kv_heads) * head_dim;
         dst[i] = x[i];
         dst[i + half_dim] = x[i + half_dim];
         return;
@@ -33,7 +33,7 @@ extern "C" __global__ void rope_cache(
     const half lo = __float2half(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
     const half hi = __float2half(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
     half* dst = head < num_heads ? q_out + (t * num_heads + head) * head_dim
-                                 : k_cache + (slots[t] * num_kv_heads + head - num_heads) * head_dim;
+                                 : k_cache + ((long long)slots[t] * num_kv_heads + head - num_heads) * head_dim;
     dst[i] = lo;
     dst[i + half_dim] = hi;
 }

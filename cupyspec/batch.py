@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,26 @@ class FlatBatch:
     def last_rows(self) -> np.ndarray:
         """[B] int64: the row of each segment's last token."""
         return self.cu_seqlens_q[1:].astype(np.int64) - 1
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    """The arrays of a FlatBatch that the forward pass reads, on the model's device (int32)."""
+
+    input_ids: Any  # [T]
+    positions: Any  # [T]
+    batch_id_per_token: Any  # [T]
+    slot_mapping: Any  # [T]
+    block_tables: Any  # [B, max_blocks]
+
+    @classmethod
+    def of(cls, xp: Any, batch: FlatBatch) -> DeviceBatch:
+        return cls(*(xp.asarray(a, dtype=np.int32) for a in (
+            batch.input_ids, batch.positions, batch.batch_id_per_token, batch.slot_mapping, batch.block_tables)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 def build_flat_batch(segments: Sequence[Segment], block_size: int) -> FlatBatch:

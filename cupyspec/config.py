@@ -85,6 +85,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     overlap_logprobs: bool = True  # GPU: logprobs of a speculative step on a second stream, beside verification
+    cuda_graphs: bool = True  # GPU: steps of up to 512 rows replay captured CUDA graphs
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

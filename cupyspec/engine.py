@@ -21,6 +21,7 @@ from cupyspec.loader import LoadedModel, load_model
 from cupyspec.loader.tokenizer import Tokenizer
 from cupyspec.metrics import EngineMetrics
 from cupyspec.model.kv_arrays import KVCacheArrays
+from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
 from cupyspec.output_processor import OutputProcessor, RequestState
 from cupyspec.outputs import RequestOutput
@@ -90,7 +91,9 @@ class AsyncEngine:
         kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs)
+        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
+        self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
+                                  self.max_model_len)
         proposer = make_proposer(config.speculative)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.metrics = EngineMetrics(self.model_name)

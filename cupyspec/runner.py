@@ -8,12 +8,15 @@ through the speculative path).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from cupyspec.backend import Backend
-from cupyspec.batch import FlatBatch, Segment, build_flat_batch
+from cupyspec.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
+from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
@@ -71,10 +74,15 @@ def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
-                 overlap_logprobs: bool = True) -> None:
+                 overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0) -> None:
+        """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none)."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
+        cuda = backend.xp.cuda if backend.is_cuda else None
+        self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
         # the CUDA stream that computes a speculative step's logprobs beside verification
-        self.logprob_stream = backend.xp.cuda.Stream(non_blocking=True) if backend.is_cuda and overlap_logprobs else None
+        self.logprob_stream = cuda.Stream(non_blocking=True) if cuda and overlap_logprobs else None
+        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len)
+                       if cuda and cuda_graph_max_tokens else None)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         segments: list[Segment] = []
@@ -125,24 +133,44 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> list[SeqStepOutput]:
         """The forward pass, sampling or verification, and logprobs; safe in a worker thread."""
+        with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
+            outputs = [SeqStepOutput() for _ in range(inputs.batch.num_seqs)]
+            target_logits, prompt_logits = self._logits(inputs)
+            if target_logits is not None:
+                for s, out in self._emit(self.backend.xp, target_logits, inputs).items():
+                    outputs[inputs.owners[s]] = out
+            if prompt_logits is not None:
+                self._add_prompt_logprobs(prompt_logits, inputs, outputs)
+            return outputs
+
+    def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None]:
+        """Logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows (None: no rows).
+
+        Through a CUDA graph when one holds the batch (logits of every row come out); else eagerly,
+        with the LM head applied to the rows that need it only.
+        """
         xp = self.backend.xp
-        hidden = self.model.forward(inputs.batch, self.kv)  # [T, H]
-        outputs = [SeqStepOutput() for _ in range(inputs.batch.num_seqs)]
-        if len(inputs.target_rows):
-            logits = self.model.compute_logits(hidden[xp.asarray(inputs.target_rows)])  # [R, V]
-            for s, out in self._emit(xp, logits, inputs).items():
-                outputs[inputs.owners[s]] = out
-        if len(inputs.prompt_rows):
-            logits = self.model.compute_logits(hidden[xp.asarray(inputs.prompt_rows)])  # [P, V]
-            k_max = max(k for _, _, k in inputs.prompt_owner)
-            lps, top_ids, top_lps = compute_logprobs(xp, logits, inputs.prompt_targets, k_max)
-            per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
-            for j, (i, position, k) in enumerate(inputs.prompt_owner):
-                per_seq.setdefault(i, []).append(
-                    (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
-            for i, pairs in per_seq.items():
-                outputs[i] = replace(outputs[i], prompt_logprobs=tuple(pairs))
-        return outputs
+        every_row = self.graphs.run(inputs.batch) if self.graphs is not None else None  # [T, V] or None
+        if every_row is None:
+            hidden = self.model.forward(DeviceBatch.of(xp, inputs.batch), self.kv)  # [T, H]
+
+        def rows_logits(rows: np.ndarray) -> Any:
+            if every_row is None:
+                return self.model.compute_logits(hidden[xp.asarray(rows)])
+            return every_row if len(rows) == len(every_row) else every_row[xp.asarray(rows)]
+
+        return tuple(rows_logits(rows) if len(rows) else None for rows in (inputs.target_rows, inputs.prompt_rows))
+
+    def _add_prompt_logprobs(self, logits: Any, inputs: StepInputs, outputs: list[SeqStepOutput]) -> None:
+        """Prompt logprobs from the logits [P, V] of the prompt rows, into each sequence's output."""
+        k_max = max(k for _, _, k in inputs.prompt_owner)
+        lps, top_ids, top_lps = compute_logprobs(self.backend.xp, logits, inputs.prompt_targets, k_max)
+        per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
+        for j, (i, position, k) in enumerate(inputs.prompt_owner):
+            per_seq.setdefault(i, []).append(
+                (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
+        for i, pairs in per_seq.items():
+            outputs[i] = replace(outputs[i], prompt_logprobs=tuple(pairs))
 
     def _emit(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
         """Tokens (and their logprobs) of every sampling sequence, from its target rows' logits [R, V]."""

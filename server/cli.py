@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--no-logprobs-overlap", action="store_true",
                    help="compute a speculative step's logprobs after verification, not beside it on a second CUDA stream")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: launch every kernel from Python instead of replaying captured CUDA graphs")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish on SIGINT/SIGTERM before they are aborted")
@@ -73,6 +75,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests),
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         overlap_logprobs=not args.no_logprobs_overlap,
+        cuda_graphs=not args.enforce_eager,
     )
 
 

@@ -135,11 +135,12 @@ def test_logprobs_are_the_models_log_softmax(tiny_gguf):
 
     engine, out = run(main())
     tokens = [20, 21, 22, 23] + out["tokens"][0]
-    from cupyspec.batch import Segment, build_flat_batch
+    from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
 
     model = engine.runner.model
     kv = KVCacheArrays(np, engine.model_config, 8, 4, np.float32)
-    logits = model.compute_logits(model.forward(build_flat_batch([Segment(tokens, 0, list(range(8)))], 4), kv))
+    batch = DeviceBatch.of(np, build_flat_batch([Segment(tokens, 0, list(range(8)))], 4))
+    logits = model.compute_logits(model.forward(batch, kv))
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
         -1, keepdims=True)
     for i, lp in enumerate(out["logprobs"][0]):  # output token i is predicted by row 3 + i

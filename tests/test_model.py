@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cupyspec.backend import select_backend
-from cupyspec.batch import Segment, build_flat_batch
+from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.loader import load_model
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
@@ -34,7 +34,7 @@ class Harness:
         """parts: (request slot, new tokens, start position) -> logits [n, V] per part."""
         segments = [Segment(tokens, start, list(range(slot * 16, slot * 16 + 16))) for slot, tokens, start in parts]
         batch = build_flat_batch(segments, BLOCK_SIZE)
-        logits = self.model.compute_logits(self.model.forward(batch, self.kv))
+        logits = self.model.compute_logits(self.model.forward(DeviceBatch.of(np, batch), self.kv))
         return [logits[batch.cu_seqlens_q[b]:batch.cu_seqlens_q[b + 1]] for b in range(len(parts))]
 
 

@@ -50,7 +50,74 @@ def time_call(call: Callable[[], Any], repeats: int) -> float:
 # ---------------------------------------------------------------- benches (each yields Cases)
 
 
+def bench_linear() -> Iterator[Case]:
+    """x @ w.T on SmolLM2-135M's matrices (cupyspec.model.linear: gemv to M=8, tensor-core tiles to 512).
+
+    Calls cycle through enough copies of the weights to fill the L2 cache twice, so that the weights
+    come from HBM as they do in a forward pass over all layers.
+    """
+    import itertools
+
+    import cupy
+    import numpy as np
+
+    from cupyspec.model.linear import linear
+
+    l2_bytes = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["l2CacheSize"]
+    shapes = (("qkv", 960, 576, np.float16), ("o", 576, 576, np.float16), ("gate_up", 3072, 576, np.float16),
+              ("down", 576, 1536, np.float16), ("lm_head", 49152, 576, np.float32))
+    for name, n, k, out_dtype in shapes:
+        rng = cupy.random.default_rng(n + k)
+        copies = [(rng.standard_normal((n, k), dtype=np.float32) * k ** -0.5).astype(np.float16)
+                  for _ in range(-(-2 * l2_bytes // (2 * n * k)))]  # [N, K] each
+        for m in (1, 8, 64, 256, 512):
+            x = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)  # [M, K]
+            weights = itertools.cycle(copies)
+            yield Case(f"{name} M={m} N={n} K={k}", 2 * (n * k + m * k) + m * n * np.dtype(out_dtype).itemsize,
+                       2 * m * n * k, lambda x=x, weights=weights, d=out_dtype: linear(cupy, x, next(weights), d))
+
+
+def bench_attention() -> Iterator[Case]:
+    """Paged attention (cuda/paged_attention.cu) with SmolLM2-135M's heads: 9 query, 3 KV, dim 64.
+
+    Rows sit at the last positions of each request's L cached ones. Calls cycle through block tables
+    over disjoint blocks, enough to fill the L2 cache twice, so that K/V come from HBM as they do in
+    a forward pass over all layers.
+    """
+    import itertools
+
+    import cupy
+    import numpy as np
+
+    from cupyspec.model.attention import paged_attention_cuda
+
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    l2_bytes = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["l2CacheSize"]
+    cases = (("decode", 1, 1, 256), ("decode", 1, 1, 4000), ("decode", 256, 1, 256), ("verify", 64, 6, 512),
+             ("prefill", 1, 2048, 2048))  # (kind, requests, rows per request, L)
+    for kind, requests, rows, kv_len in cases:
+        blocks = -(-kv_len // block_size)  # per request
+        kv_bytes = 2 * requests * kv_len * kv_heads * dim * 2  # K and V, once per KV head
+        copies = -(-2 * l2_bytes // kv_bytes)
+        rng = cupy.random.default_rng(requests * rows + kv_len)
+        cache_shape = (copies * requests * blocks, block_size, kv_heads, dim)
+        k = rng.standard_normal(cache_shape, dtype=np.float32).astype(np.float16)  # [blocks, bs, Hkv, D]
+        v = rng.standard_normal(cache_shape, dtype=np.float32).astype(np.float16)  # [blocks, bs, Hkv, D]
+        order = np.random.default_rng(kv_len).permutation(cache_shape[0]).astype(np.int32)
+        tables = itertools.cycle(list(cupy.asarray(order.reshape(copies, requests, blocks))))  # [B, blocks] each
+        q = rng.standard_normal((requests * rows, heads, dim), dtype=np.float32).astype(np.float16)  # [T, Hq, D]
+        batch_ids = cupy.repeat(cupy.arange(requests, dtype=np.int32), rows)  # [T]
+        positions = cupy.tile(cupy.arange(kv_len - rows, kv_len, dtype=np.int32), requests)  # [T]
+        pairs = requests * (kv_len * (kv_len + 1) - (kv_len - rows) * (kv_len - rows + 1)) // 2  # (row, position)
+        label = f"{kind} B={requests}" + (f"x{rows}" if rows > 1 else "") + f" L={kv_len}"
+        yield Case(label, kv_bytes + 2 * q.nbytes, 4 * pairs * dim * heads,
+                   lambda q=q, k=k, v=v, tables=tables, b=batch_ids, p=positions:
+                   paged_attention_cuda(q, k, v, next(tables), b, p, dim ** -0.5))
+
+
 BENCHES: dict[str, Callable[[], Iterator[Case]]] = {
+    "attention": bench_attention,
+    "linear": bench_linear,
 }
 
 

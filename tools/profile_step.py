@@ -3,8 +3,10 @@
     python tools/profile_step.py --batch-sizes 1 8 64 256 --context 256 --query-len 1 6
 
 Builds synthetic decode (query length 1) and verify (query length k + 1) steps on the engine's own
-model and KV cache, and times each phase with CUDA events (device time) and the host clock (the
+model and KV cache, and times the forward pass with the logits of every row, eager and replayed as
+a CUDA graph, then greedy sampling, each with CUDA events (device time) and the host clock (the
 time Python needs to launch it). A phase whose host time exceeds its device time is launch-bound.
+With --kernels, each kernel of one decoder layer is timed on its own from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.batch import Segment, build_flat_batch
+from cupyspec.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
+from cupyspec.model.attention import paged_attention_cuda
+from cupyspec.model.fused import add_rms_norm, rope_and_cache, swiglu
+from cupyspec.model.linear import KERNEL_MAX_ROWS, linear
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
 
@@ -41,7 +46,55 @@ def timed(xp: Any, fn: Callable[[], Any], repeats: int) -> tuple[float, float, A
     return 1e3 * host / repeats, xp.cuda.get_elapsed_time(start, end) / repeats, result
 
 
-def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repeats: int) -> dict:
+def graphed_us(xp: Any, fn: Callable[[], Any], repeats: int) -> float:
+    """Device microseconds per call of fn, from a CUDA graph of `repeats` calls (no launch cost)."""
+    stream = xp.cuda.get_current_stream()
+    fn()  # warm-up: compiles, fills the memory pool
+    stream.begin_capture()
+    for _ in range(repeats):
+        fn()
+    graph = stream.end_capture()
+    graph.launch(stream)
+    start, end = xp.cuda.Event(), xp.cuda.Event()
+    start.record(stream)
+    graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return 1e3 * xp.cuda.get_elapsed_time(start, end) / repeats
+
+
+def layer_kernels(engine: AsyncEngine, flat: FlatBatch, repeats: int) -> dict[str, float]:
+    """Device microseconds of each kernel of one decoder layer on `flat`, and of the LM head."""
+    runner, xp, dt = engine.runner, engine.backend.xp, engine.backend.dtype
+    model, kv, c = runner.model, runner.kv, runner.model.config
+    w, eps = model.layers[0], c.rms_norm_eps
+    batch = DeviceBatch.of(xp, flat)
+    residual = xp.ones((flat.num_tokens, c.hidden_size), np.float32)  # [T, H]
+    x = add_rms_norm(xp, residual, None, w.input_norm, eps, dt)  # [T, H]
+    qkv = linear(xp, x, w.qkv)
+    cos, sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
+    q = rope_and_cache(xp, qkv, cos, sin, batch.slot_mapping, kv.k[0], kv.v[0], c.num_heads, c.num_kv_heads)
+    attn = paged_attention_cuda(q, kv.k[0], kv.v[0], batch.block_tables, batch.batch_id_per_token, batch.positions,
+                                c.head_dim ** -0.5).reshape(flat.num_tokens, -1)  # [T, Hq D]
+    gate_up = linear(xp, x, w.gate_up)
+    act = swiglu(xp, gate_up)
+    kernels = {
+        "add_rms_norm": lambda: add_rms_norm(xp, residual, x, w.input_norm, eps, dt),
+        "qkv": lambda: linear(xp, x, w.qkv),
+        "rope_and_cache": lambda: rope_and_cache(xp, qkv, cos, sin, batch.slot_mapping, kv.k[0], kv.v[0],
+                                                 c.num_heads, c.num_kv_heads),
+        "attention": lambda: paged_attention_cuda(q, kv.k[0], kv.v[0], batch.block_tables, batch.batch_id_per_token,
+                                                  batch.positions, c.head_dim ** -0.5),
+        "o": lambda: linear(xp, attn, w.o),
+        "gate_up": lambda: linear(xp, x, w.gate_up),
+        "swiglu": lambda: swiglu(xp, gate_up),
+        "down": lambda: linear(xp, act, w.down),
+        "lm_head": lambda: model.compute_logits(x),
+    }
+    return {f"{name}_us": graphed_us(xp, fn, repeats) for name, fn in kernels.items()}
+
+
+def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repeats: int, kernels: bool) -> dict:
     runner = engine.runner
     xp, model, kv = engine.backend.xp, runner.model, runner.kv
     blocks_each = -(-(context + query_len) // kv.block_size)
@@ -49,17 +102,24 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
     segments = [Segment(rng.integers(0, 1000, query_len).tolist(), context,
                         list(range(b * blocks_each, (b + 1) * blocks_each))) for b in range(batch)]
     flat = build_flat_batch(segments, kv.block_size)
-    rows = xp.asarray(flat.last_rows())
-    params = [SamplingRow(SamplingParams(temperature=0.0), 0.0)] * batch
-    forward_host, forward_dev, hidden = timed(xp, lambda: model.forward(flat, kv), repeats)
-    logits_host, logits_dev, logits = timed(xp, lambda: model.compute_logits(hidden[rows]), repeats)
-    sample_host, sample_dev, _ = timed(xp, lambda: sample(xp, logits, params), repeats)
-    total_dev = forward_dev + logits_dev + sample_dev
-    return {"batch": batch, "query_len": query_len, "context": context,
-            "forward_host_ms": forward_host, "forward_device_ms": forward_dev,
-            "logits_host_ms": logits_host, "logits_device_ms": logits_dev,
-            "sample_host_ms": sample_host, "sample_device_ms": sample_dev,
-            "step_tok_per_s": batch * query_len / (1e-3 * max(total_dev, forward_host + logits_host + sample_host))}
+    rows = xp.asarray(np.arange(flat.num_tokens))  # every row gets logits, as in a decode or verify step
+    params = [SamplingRow(SamplingParams(temperature=0.0), 0.0)] * flat.num_tokens
+    result: dict = {"batch": batch, "query_len": query_len, "context": context}
+    with runner.stream:
+        eager_host, eager_dev, logits = timed(
+            xp, lambda: model.compute_logits(model.forward(DeviceBatch.of(xp, flat), kv)[rows]), repeats)
+        result |= {"eager_host_ms": eager_host, "eager_device_ms": eager_dev}
+        step_ms = max(eager_host, eager_dev)
+        if runner.graphs is not None and runner.graphs.run(flat) is not None:
+            graph_host, graph_dev, logits = timed(xp, lambda: runner.graphs.run(flat), repeats)
+            result |= {"graph_host_ms": graph_host, "graph_device_ms": graph_dev}
+            step_ms = max(graph_host, graph_dev)
+        sample_host, sample_dev, _ = timed(xp, lambda: sample(xp, logits, params), repeats)
+        if kernels and flat.num_tokens <= KERNEL_MAX_ROWS:  # larger steps take cuBLAS, which graphs refuse
+            result |= layer_kernels(engine, flat, repeats)
+    result |= {"sample_host_ms": sample_host, "sample_device_ms": sample_dev,
+               "step_tok_per_s": flat.num_tokens / (1e-3 * (step_ms + max(sample_host, sample_dev)))}
+    return result
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -68,7 +128,7 @@ async def main(args: argparse.Namespace) -> None:
     try:
         for query_len in args.query_len:
             for batch in args.batch_sizes:
-                print(json.dumps(profile(engine, batch, query_len, args.context, args.repeats)), flush=True)
+                print(json.dumps(profile(engine, batch, query_len, args.context, args.repeats, args.kernels)), flush=True)
     finally:
         await engine.shutdown()
 
@@ -80,5 +140,6 @@ if __name__ == "__main__":
     p.add_argument("--query-len", type=int, nargs="+", default=[1, 6], help="1: decode; k + 1: verify k drafts")
     p.add_argument("--context", type=int, default=256, help="cached positions before the step")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--kernels", action="store_true", help="also time each kernel of one layer, from CUDA graphs")
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes")
     asyncio.run(main(p.parse_args()))

@@ -14,7 +14,11 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 
-WARPS_PER_BLOCK = 4
+PARTITION = 256  # positions per partition: PARTITION in cuda/paged_attention.cu
+THREADS = 128  # per CTA: NUM_THREADS in cuda/paged_attention.cu
+HEADS_PER_CTA = (1, 2, 3, 4, 6, 8)  # the kernel's instantiations: query heads of a GQA group per CTA
+SPLIT_BELOW_CTAS = 512  # split positions across CTAs when the rows alone give fewer CTAs (~4 per SM)
+MAX_SPLIT_WORKSPACE = 64 << 20  # ... and the partition states fit in these many bytes
 
 
 def paged_attention(
@@ -59,17 +63,39 @@ def paged_attention_cuda(
     positions: Any,  # [T] int32 (device)
     scale: float,
 ) -> Any:  # [T, Hq, D] fp16
-    """The kernel `paged_attention_f16` of cuda/paged_attention.cu (same semantics as the twin)."""
+    """The kernels of cuda/paged_attention.cu (same semantics as the twin).
+
+    One CTA per (row, KV head, chunk of its query heads) folds the row's partitions of PARTITION
+    positions. When the rows alone would underfill the GPU, the grid also spans the most partitions
+    a row of block_tables can have (flash-decoding) and a merge kernel folds them; both paths give a
+    row the same bits, so the grid depends on T and the shapes only, never on the data.
+    """
     import cupy
 
     num_tokens, num_heads, head_dim = q.shape
-    if head_dim % 32 or head_dim > 128:
-        raise ValueError(f"the CUDA attention kernel needs head_dim a multiple of 32 up to 128, not {head_dim}")
-    out = cupy.empty_like(q)
-    kernel = load_kernel("paged_attention", "paged_attention_f16")
-    grid = (num_tokens, -(-num_heads // WARPS_PER_BLOCK))
-    kernel(grid, (32 * WARPS_PER_BLOCK,),
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if head_dim % 8 or head_dim > 128:
+        raise ValueError(f"the CUDA attention kernel needs head_dim a multiple of 8 up to 128, not {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"the CUDA attention kernel needs block_size a power of two, not {block_size}")
+    group = num_heads // num_kv_heads
+    chunks = -(-group // HEADS_PER_CTA[-1])  # CTAs per KV head
+    heads = next(h for h in HEADS_PER_CTA if h * chunks >= group)
+    padded_dim = 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128
+    partitions = -(-block_tables.shape[1] * block_size // PARTITION)  # the most a row can have
+    split = (partitions > 1 and num_tokens * num_kv_heads * chunks < SPLIT_BELOW_CTAS
+             and num_tokens * num_heads * partitions * (head_dim + 2) * 4 <= MAX_SPLIT_WORKSPACE)
+    parts = partitions if split else 0
+    partial_acc = cupy.empty((num_tokens, num_heads, parts, head_dim), dtype=cupy.float32)  # [T, Hq, P, D]
+    partial_stats = cupy.empty((num_tokens, num_heads, parts, 2), dtype=cupy.float32)  # [T, Hq, P, (max, sum)]
+    out = cupy.empty_like(q)  # [T, Hq, D]
+    kernel = load_kernel("paged_attention", f"paged_attention_d{padded_dim}_h{heads}")
+    kernel((num_tokens, num_kv_heads * chunks, max(parts, 1)), (THREADS,),
            (q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out,
-            np.int32(num_tokens), np.int32(num_heads), np.int32(k_cache.shape[2]), np.int32(head_dim),
-            np.int32(k_cache.shape[1]), np.int32(block_tables.shape[1]), np.float32(scale)))
+            partial_acc, partial_stats, np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+            np.int32(block_size.bit_length() - 1), np.int32(block_tables.shape[1]), np.float32(scale)))
+    if split:
+        merge = load_kernel("paged_attention", "paged_attention_merge")
+        merge((num_tokens, num_heads), (head_dim,),
+              (partial_acc, partial_stats, positions, out, np.int32(num_heads), np.int32(head_dim), np.int32(parts)))
     return out

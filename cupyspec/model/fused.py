@@ -40,7 +40,7 @@ def add_rms_norm(xp: Any, residual: Any, delta: Any | None, weight: Any, eps: fl
 def rope_and_cache(xp: Any, qkv: Any, cos: Any, sin: Any, slots: Any, k_cache: Any, v_cache: Any,
                    num_heads: int, num_kv_heads: int) -> Any:
     """RoPE on q and k of qkv [T, (Hq + 2 Hkv) D]; k and v written to their cache slots [T] of
-    k_cache / v_cache [num_blocks, block_size, Hkv, D]. cos, sin [T, D/2] fp32. Returns q [T, Hq, D]."""
+    k_cache / v_cache [num_blocks, block_size, Hkv, D]. cos, sin [T, D/2] fp32; slots int. Returns q [T, Hq, D]."""
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
@@ -57,7 +57,7 @@ def rope_and_cache(xp: Any, qkv: Any, cos: Any, sin: Any, slots: Any, k_cache: A
         load_kernel("rope_cache", "rope_cache")(
             (-(-work // THREADS),), (THREADS,),
             (xp.ascontiguousarray(qkv), xp.ascontiguousarray(cos), xp.ascontiguousarray(sin),
-             xp.asarray(slots, dtype=np.int64), q, k_cache, v_cache, np.int32(num_tokens), np.int32(num_heads),
+             xp.asarray(slots, dtype=np.int32), q, k_cache, v_cache, np.int32(num_tokens), np.int32(num_heads),
              np.int32(num_kv_heads), np.int32(head_dim)))
     return q
 

@@ -1,0 +1,284 @@
+// Matrix products out = x @ w.T on tensor cores; twin: linear in cupyspec/model/linear.py.
+//
+// out[m, n] = sum_k x[m, k] * w[n, k]: x [M, K] and w [N, K] (Hugging Face [out, in] layout) fp16,
+// row-major, contiguous, 16-byte aligned, K % 8 == 0; any M, N >= 1. Products are summed in fp32
+// and stored as fp16 (round to nearest, entry points *_f16) or as fp32 (*_f32).
+//
+// No split-K and no dependence on the batch: out[m, n] is a function of x[m, :] and w[n, :] alone,
+// whatever M is, so that rows padded into a larger batch (CUDA graphs of fixed sizes) come out
+// bit-identical. Within a family the order of the fp32 sums is fixed by K alone:
+//
+//   gemv_*     (M <= 8, decode): one block per 16 weight rows, streaming them once from memory with
+//              16-byte loads. Each warp takes every 12th 32-wide slice of K; a slice is two
+//              mma.m16n8k16 with the 16 weight rows as A and the <= 8 rows of x as B (their columns),
+//              whose k order is permuted alike in A and B (each lane loads 8 consecutive k). The
+//              12 warps' sums are added in warp order through shared memory.
+//   gemm_tc_*  (M > 8): BM x BN tiles, a cp.async pipeline of STAGES BK-wide slices in padded
+//              shared rows, ldmatrix + mma.m16n8k16. Every tile shape runs the same ceil(K/16)
+//              k16 steps, k = 0, 16, 32, ... in order, into one accumulator per output.
+
+#include <cuda_fp16.h>
+
+// ---------------------------------------------------------------- PTX wrappers
+
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes global -> shared, bypassing L1; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
+}
+
+// Four 8x8 fp16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives it.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
+}
+
+// d += a (16x16, row-major) * b (16x8, column-major), fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes read once (weights): not kept in L1.
+__device__ __forceinline__ uint4 load_streaming(const half* pointer) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer));
+    return v;
+}
+
+// 16 bytes read by every block (activations): through the read-only cache.
+__device__ __forceinline__ uint4 load_cached(const half* pointer) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer));
+    return v;
+}
+
+__device__ __forceinline__ void store_one(half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_one(float* p, float v) { *p = v; }
+
+// out[col], out[col + 1] of one row; pairs are stored whole when N is even (aligned) and in range.
+template <typename Out>
+__device__ __forceinline__ void store_pair(Out* row, int col, int N, float v0, float v1) {
+    if ((N & 1) == 0 && col + 1 < N) {
+        if constexpr (sizeof(Out) == 2) {
+            *reinterpret_cast<half2*>(row + col) = __floats2half2_rn(v0, v1);
+        } else {
+            *reinterpret_cast<float2*>(row + col) = float2{v0, v1};
+        }
+    } else {
+        if (col < N) store_one(row + col, v0);
+        if (col + 1 < N) store_one(row + col + 1, v1);
+    }
+}
+
+// ---------------------------------------------------------------- gemv: M <= 8
+
+#define GEMV_ROWS 16    // weight rows (outputs n) per block: the m16 of the mma
+#define GEMV_WARPS 12   // warps per block, splitting K: one round of loads for K <= 1536
+#define GEMV_UNROLL 4   // 32-wide K slices per warp with loads in flight
+
+template <typename Out>
+__device__ __forceinline__ void gemv(const half* __restrict__ x, const half* __restrict__ w, Out* __restrict__ out,
+                                     int M, int N, int K)
+{
+    __shared__ float partial[GEMV_WARPS][4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, quad = lane & 3;   // mma fragment row group and thread in group
+    const int n0 = blockIdx.x * GEMV_ROWS;
+    const bool lo_ok = n0 + group < N, hi_ok = n0 + group + 8 < N, x_ok = group < M;
+    // This lane's 8 consecutive k of each slice: weight rows n0 + group and n0 + group + 8 (A rows),
+    // x row `group` (B column); rows out of range are never read (clamped pointers, zero values).
+    const half* w_lo = w + (size_t)min(n0 + group, N - 1) * K + 8 * quad;
+    const half* w_hi = w + (size_t)min(n0 + group + 8, N - 1) * K + 8 * quad;
+    const half* x_row = x + (size_t)min(group, M - 1) * K + 8 * quad;
+    const int slices = (K + 31) >> 5;
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int first = warp; first < slices; first += GEMV_WARPS * GEMV_UNROLL) {
+        uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL], xv[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int k = (first + u * GEMV_WARPS) * 32;
+            const bool k_ok = k + 8 * quad < K;
+            lo[u] = k_ok && lo_ok ? load_streaming(w_lo + k) : uint4{};
+            hi[u] = k_ok && hi_ok ? load_streaming(w_hi + k) : uint4{};
+            xv[u] = k_ok && x_ok ? load_cached(x_row + k) : uint4{};
+        }
+        // A fragment {a0a1, a2a3, a4a5, a6a7} = rows (g, g+8, g, g+8) at logical k (2q, 2q, 2q+8, 2q+8),
+        // B fragment {b0b1, b2b3} = column g at logical k (2q, 2q+8): logical 2q, 2q+8 of the first
+        // mma are this lane's k 0-1, 2-3; of the second mma its k 4-5, 6-7 (the same for A and B).
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            mma_16816(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
+            mma_16816(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+        }
+    }
+
+    // acc = D[g][2q], D[g][2q+1], D[g+8][2q], D[g+8][2q+1]: D[i][j] = out[m = j, n = n0 + i]
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
+    __syncthreads();
+    if (threadIdx.x < 4 * 32) {
+        const int i = threadIdx.x >> 5, l = threadIdx.x & 31;
+        float sum = partial[0][i][l];
+#pragma unroll
+        for (int v = 1; v < GEMV_WARPS; ++v) sum += partial[v][i][l];
+        const int n = n0 + (l >> 2) + 8 * (i >> 1), m = 2 * (l & 3) + (i & 1);
+        if (m < M && n < N) store_one(out + (size_t)m * N + n, sum);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_f16(
+    const half* __restrict__ x,   // [M, K], M <= 8
+    const half* __restrict__ w,   // [N, K]
+    half* __restrict__ out,       // [M, N]
+    int M, int N, int K)          // grid: ceil(N / 16) blocks of 384 threads
+{
+    gemv(x, w, out, M, N, K);
+}
+
+// ---------------------------------------------------------------- gemm_tc: tensor-core tiles
+
+// Block tile BM x BN, K slices of BK, WARPS_M x WARPS_N warps of (BM / WARPS_M) x (BN / WARPS_N).
+// Dynamic shared memory: STAGES * (BM + BN) * (BK + 8) halves; rows padded by 16 bytes so that the
+// 8 row addresses of an ldmatrix phase fall in distinct banks.
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, typename Out>
+__device__ __forceinline__ void gemm_tc(const half* __restrict__ x, const half* __restrict__ w,
+                                        Out* __restrict__ out, int M, int N, int K)
+{
+    constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    constexpr int LD = BK + 8;                          // padded shared row, halves
+    constexpr int CHUNKS = BK / 8;                      // 16-byte chunks per row of a slice
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+    constexpr int FM = WM / 16, FN = WN / 8;            // m16 and n8 fragments per warp
+    static_assert(BK % 16 == 0 && WM % 16 == 0 && FN % 2 == 0, "ldmatrix.x4 loads two n8 fragments of B");
+    static_assert((BM * CHUNKS) % THREADS == 0 && (BN * CHUNKS) % THREADS == 0, "whole chunks per thread");
+    static_assert(STAGES >= 2, "a pipeline");
+
+    extern __shared__ uint4 shared_raw[];
+    half* const sx = reinterpret_cast<half*>(shared_raw);   // [STAGES][BM][LD]
+    half* const sw = sx + STAGES * BM * LD;                 // [STAGES][BN][LD]
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;   // x: row tiles fastest, so w tiles are reused in L2
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
+
+    // One BK slice of x and w into a stage; chunks past M, N or K are zero-filled.
+    auto load_slice = [&](int stage, int k0) {
+        half* const dx = sx + stage * BM * LD;
+        half* const dw = sw + stage * BN * LD;
+#pragma unroll
+        for (int j = 0; j < BM * CHUNKS / THREADS; ++j) {
+            const int i = threadIdx.x + j * THREADS, r = i / CHUNKS, k = k0 + (i % CHUNKS) * 8;
+            const bool ok = m0 + r < M && k < K;
+            cp_async_16(shared_address(dx + r * LD + (i % CHUNKS) * 8), ok ? x + (size_t)(m0 + r) * K + k : x, ok);
+        }
+#pragma unroll
+        for (int j = 0; j < BN * CHUNKS / THREADS; ++j) {
+            const int i = threadIdx.x + j * THREADS, r = i / CHUNKS, k = k0 + (i % CHUNKS) * 8;
+            const bool ok = n0 + r < N && k < K;
+            cp_async_16(shared_address(dw + r * LD + (i % CHUNKS) * 8), ok ? w + (size_t)(n0 + r) * K + k : w, ok);
+        }
+    };
+
+    const int slices = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < slices) load_slice(s, s * BK);
+        cp_async_commit();   // possibly empty: one group per slice keeps the wait count uniform
+    }
+
+    float acc[FM][FN][4] = {};
+    for (int s = 0; s < slices; ++s) {
+        cp_async_wait<STAGES - 2>();   // slice s has landed (this thread's part) ...
+        __syncthreads();               // ... everyone's part, and slice s - 1's stage is free
+        if (s + STAGES - 1 < slices) load_slice((s + STAGES - 1) % STAGES, (s + STAGES - 1) * BK);
+        cp_async_commit();
+
+        const half* const tx = sx + (s % STAGES) * BM * LD;
+        const half* const tw = sw + (s % STAGES) * BN * LD;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            if (s * BK + kk >= K) break;   // exactly ceil(K / 16) k16 steps, whatever BK
+            unsigned a[FM][4], b[FN][2];
+            // A: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+                ldmatrix_x4(a[fm], shared_address(tx + (wm + fm * 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8));
+            }
+            // B = w^T: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+#pragma unroll
+            for (int fn = 0; fn < FN; fn += 2) {
+                unsigned r[4];
+                ldmatrix_x4(r, shared_address(tw + (wn + fn * 8 + (lane >> 4) * 8 + (lane & 7)) * LD + kk
+                                              + ((lane >> 3) & 1) * 8));
+                b[fn][0] = r[0];
+                b[fn][1] = r[1];
+                b[fn + 1][0] = r[2];
+                b[fn + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+                for (int fn = 0; fn < FN; ++fn) {
+                    mma_16816(acc[fm][fn], a[fm][0], a[fm][1], a[fm][2], a[fm][3], b[fn][0], b[fn][1]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // acc[fm][fn] = D[g][2q], D[g][2q+1], D[g+8][2q], D[g+8][2q+1] of the fragment's 16 x 8
+    const int group = lane >> 2, quad = lane & 3;
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int m = m0 + wm + fm * 16 + group + 8 * h;
+            if (m >= M) continue;
+            Out* const row = out + (size_t)m * N;
+#pragma unroll
+            for (int fn = 0; fn < FN; ++fn) {
+                store_pair(row, n0 + wn + fn * 8 + 2 * quad, N,
+                           acc[fm][fn][2 * h], acc[fm][fn][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// Entry points gemm_tc_<BM>x<BN>_f16 / _f32: grid (ceil(M / BM), ceil(N / BN)), 32 * WARPS_M * WARPS_N
+// threads, STAGES * (BM + BN) * (BK + 8) * 2 bytes of dynamic shared memory. cupyspec/model/linear.py
+// holds the same parameters.
+#define GEMM_TC(BM, BN, BK, WARPS_M, WARPS_N, STAGES, MIN_BLOCKS)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, MIN_BLOCKS) gemm_tc_##BM##x##BN##_f16( \
+        const half* __restrict__ x, const half* __restrict__ w, half* __restrict__ out, int M, int N, int K)  \
+    {                                                                                                       \
+        gemm_tc<BM, BN, BK, WARPS_M, WARPS_N, STAGES>(x, w, out, M, N, K);                                  \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, MIN_BLOCKS) gemm_tc_##BM##x##BN##_f32( \
+        const half* __restrict__ x, const half* __restrict__ w, float* __restrict__ out, int M, int N, int K) \
+    {                                                                                                       \
+        gemm_tc<BM, BN, BK, WARPS_M, WARPS_N, STAGES>(x, w, out, M, N, K);                                  \
+    }
+
+GEMM_TC(32, 64, 64, 2, 2, 4, 1)     // M <= 64 or few tiles: 128 threads, 54 KB
+GEMM_TC(64, 128, 32, 2, 4, 4, 1)    // 256 threads, 60 KB
+GEMM_TC(128, 128, 32, 2, 4, 4, 2)   // 256 threads, 80 KB, two blocks per SM

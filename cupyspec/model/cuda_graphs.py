@@ -1,0 +1,101 @@
+"""CUDA graphs of the forward pass and the logits, one per token-count bucket, captured once.
+
+A step of T rows runs as the graph of the smallest bucket of at least T rows. Its inputs go into
+static device buffers in two asynchronous copies from pinned host memory; rows T.. of the bucket
+are padding (token 0 at position 0, written to the KV cache's scratch block, which no request
+owns); the logits of every row land in one static buffer. Python then launches one graph instead
+of some 300 kernels.
+
+Every kernel of the forward pass computes a row the same way whatever else is in the batch, and
+the matrix-product kernel family depends on the row count only through buckets that the graph
+boundaries respect (`linear.GEMV_MAX_ROWS` is a bucket), so a graphed step returns the logits the
+eager step returns, bit for bit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any
+
+import numpy as np
+
+from cupyspec.batch import DeviceBatch, FlatBatch
+from cupyspec.model.kv_arrays import KVCacheArrays
+from cupyspec.model.linear import KERNEL_MAX_ROWS
+from cupyspec.model.llama import LlamaModel
+
+log = logging.getLogger("cupyspec")
+
+# Row counts with a graph of their own; GEMV_MAX_ROWS must be one of them.
+BUCKETS = (1, 2, 4, 8, *range(16, KERNEL_MAX_ROWS + 1, 16))
+
+TOKEN_FIELDS = 4  # rows of the staged token arrays: input ids, positions, batch ids, KV slots
+
+
+class CudaGraphs:
+    """The captured graphs of `model` over `kv`, and the static buffers they read and write."""
+
+    def __init__(self, model: LlamaModel, kv: KVCacheArrays, stream: Any, max_tokens: int, max_model_len: int) -> None:
+        import cupy
+        import cupyx
+
+        self.model, self.kv, self.stream = model, kv, stream
+        self.buckets = tuple(b for b in BUCKETS if b <= max_tokens)
+        if not self.buckets:
+            raise ValueError(f"no CUDA graph bucket holds at most {max_tokens} rows")
+        rows = self.buckets[-1]
+        width = -(-max_model_len // kv.block_size)  # block-table columns: the longest sequence's blocks
+        self.padding_row = rows  # the block-table row of padding tokens: all scratch blocks
+        self.host_tokens = cupyx.empty_pinned((TOKEN_FIELDS, rows), np.int32)  # [4, rows]
+        self.host_tables = cupyx.empty_pinned((rows + 1, width), np.int32)  # [rows + 1, width]
+        self.tokens = cupy.zeros((TOKEN_FIELDS, rows), np.int32)  # [4, rows] on the device
+        self.tables = cupy.zeros((rows + 1, width), np.int32)  # [rows + 1, width] on the device
+        self.tables[self.padding_row] = kv.scratch_block
+        self.logits = cupy.empty((rows, model.config.vocab_size), np.float32)  # [rows, V]
+        self.pool = cupy.cuda.MemoryPool()  # the graphs' own activations, never handed to eager code
+        self.graphs: dict[int, Any] = {}
+        with cupy.cuda.using_allocator(self.pool.malloc), stream:
+            self._pad(0, rows)
+            self.tokens.set(self.host_tokens, stream=stream)
+            for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+                self._forward(bucket)  # warm-up: compiles kernels, fills the pool outside capture
+                stream.begin_capture()
+                self._forward(bucket)
+                self.graphs[bucket] = stream.end_capture()
+                self.graphs[bucket].upload(stream)
+        stream.synchronize()
+        log.info("captured %d CUDA graphs for steps of up to %d rows (%.0f MiB of activations)",
+                 len(self.graphs), rows, self.pool.total_bytes() / 2**20)
+
+    def _forward(self, bucket: int) -> None:
+        ids, positions, batch_ids, slots = (self.tokens[f, :bucket] for f in range(TOKEN_FIELDS))
+        batch = DeviceBatch(ids, positions, batch_ids, slots, self.tables)
+        self.model.compute_logits(self.model.forward(batch, self.kv), out=self.logits[:bucket])
+
+    def _pad(self, start: int, stop: int) -> None:
+        """Rows start..stop of the staged tokens become padding."""
+        ids, positions, batch_ids, slots = self.host_tokens[:, start:stop]
+        ids[:] = positions[:] = 0
+        batch_ids[:] = self.padding_row
+        slots[:] = self.kv.scratch_block * self.kv.block_size
+
+    def run(self, batch: FlatBatch) -> Any | None:
+        """Logits [T, V] f32 of every row of `batch` (a view of the static buffer, valid until the
+        next run), or None when the batch has more rows than the largest graph."""
+        num_tokens, num_seqs = batch.num_tokens, batch.num_seqs
+        index = bisect.bisect_left(self.buckets, num_tokens)
+        if index == len(self.buckets) or batch.block_tables.shape[1] > self.tables.shape[1]:
+            return None
+        bucket = self.buckets[index]
+        staged = self.host_tokens
+        staged[0, :num_tokens] = batch.input_ids
+        staged[1, :num_tokens] = batch.positions
+        staged[2, :num_tokens] = batch.batch_id_per_token
+        staged[3, :num_tokens] = batch.slot_mapping
+        self._pad(num_tokens, bucket)
+        self.host_tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
+        self.tokens.set(staged, stream=self.stream)
+        self.tables[:num_seqs].set(self.host_tables[:num_seqs], stream=self.stream)
+        self.graphs[bucket].launch(self.stream)
+        return self.logits[:num_tokens]

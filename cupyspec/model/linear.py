@@ -1,0 +1,120 @@
+"""Matrix products x @ w.T with weights in the [out, in] layout: our kernels on a GPU, NumPy's elsewhere.
+
+CuPy refuses cuBLAS during stream capture, so the products of decode and verify steps run the
+kernels of `cuda/gemm.cu`: a tensor-core gemv streaming the weights for up to GEMV_MAX_ROWS rows,
+tensor-core tiles up to KERNEL_MAX_ROWS rows; above that (prefill, never captured) cuBLAS. Within
+a kernel family a row's result depends on that row and the weights only, never on the batch it is
+in or the tile shape picked for it, so batches padded to fixed sizes give bit-identical rows.
+Products with fp32 output (the logits) always take the tiles, so a row's logits are the same
+whether they come with every row of a step or with the few rows that sample.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cupyspec.kernels import load_kernel
+
+GEMV_MAX_ROWS = 8  # rows up to which the gemv kernel runs
+KERNEL_MAX_ROWS = 512  # above this, cuBLAS (x @ w.T) runs instead (faster for prefill; not capturable)
+
+GEMV_THREADS = 384  # GEMV_WARPS * 32 in cuda/gemm.cu
+GEMV_ROWS = 16  # weight rows per gemv block (GEMV_ROWS in cuda/gemm.cu)
+STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """One gemm_tc instantiation of cuda/gemm.cu (its GEMM_TC lines hold the same numbers)."""
+
+    rows: int  # BM
+    cols: int  # BN
+    depth: int  # BK
+    threads: int
+    stages: int
+
+    @property
+    def function(self) -> str:
+        return f"gemm_tc_{self.rows}x{self.cols}"
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (self.rows + self.cols) * (self.depth + 8) * 2  # padded fp16 rows
+
+    def blocks(self, m: int, n: int) -> int:
+        return -(-m // self.rows) * -(-n // self.cols)
+
+
+_TILES = (_Tile(128, 128, 32, 256, 4), _Tile(64, 128, 32, 256, 4), _Tile(32, 64, 64, 128, 4))  # largest first
+
+
+def _pick_tile(m: int, n: int, sm_count: int) -> _Tile:
+    """The largest tile that fills its first row block at least half and still gives every SM a block;
+    else the smallest. All tiles give the same bits, so this is about speed only."""
+    for tile in _TILES[:-1]:
+        if 2 * m > tile.rows and tile.blocks(m, n) >= sm_count:
+            return tile
+    return _TILES[-1]
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+@functools.cache
+def _kernel(function: str, shared_bytes: int, device: int) -> Any:
+    """The kernel `function` of cuda/gemm.cu, allowed `shared_bytes` of dynamic shared memory on `device`."""
+    kernel = load_kernel("gemm", function)
+    if shared_bytes > STATIC_SHARED_LIMIT:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes  # set for the current device, once
+    return kernel
+
+
+def _aligned(xp: Any, a: Any) -> Any:
+    """a as a C-contiguous array at a 16-byte boundary (the kernels read 16-byte chunks)."""
+    a = xp.ascontiguousarray(a)
+    return a.copy() if a.data.ptr % 16 else a
+
+
+def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = None) -> Any:
+    """x [M, K] @ w[N, K].T -> [M, N] in out_dtype (default x.dtype), written into `out` when given.
+
+    CuPy fp16 with fp16 or fp32 output and K % 8 == 0 runs cuda/gemm.cu up to KERNEL_MAX_ROWS rows;
+    anything else is the plain product (the kernels' twin). `w` should be C-contiguous (else it is
+    copied on every call); `out`, C-contiguous [M, N] of out_dtype.
+    """
+    out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    m, k = x.shape
+    n = w.shape[0]
+    if out is not None and (out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous [{m}, {n}] {out_dtype} array, not {out.shape} {out.dtype}")
+    if not (xp is not np and x.dtype == np.float16 and w.dtype == np.float16 and k % 8 == 0
+            and out_dtype in (np.float16, np.float32) and m <= KERNEL_MAX_ROWS):
+        result = (x @ w.T).astype(out_dtype, copy=False)  # [M, N]; cuBLAS for CuPy
+        if out is None:
+            return result
+        out[...] = result
+        return out
+    if out is None:
+        out = xp.empty((m, n), dtype=out_dtype)  # [M, N]
+    elif out.data.ptr % (2 * out_dtype.itemsize):  # the kernels store pairs of columns
+        raise ValueError("out must start at an even element")
+    if m and n:
+        x, w = _aligned(xp, x), _aligned(xp, w)
+        suffix = "f16" if out_dtype == np.float16 else "f32"
+        device = x.device.id
+        args = (x, w, out, np.int32(m), np.int32(n), np.int32(k))
+        if m <= GEMV_MAX_ROWS and out_dtype == np.float16:
+            _kernel("gemv_f16", 0, device)((-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
+        else:
+            tile = _pick_tile(m, n, _sm_count(device))
+            _kernel(f"{tile.function}_{suffix}", tile.shared_bytes, device)(
+                (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), args, shared_mem=tile.shared_bytes)
+    return out

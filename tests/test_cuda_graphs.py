@@ -1,0 +1,93 @@
+"""CUDA graphs on the GPU: a replayed step gives the eager step's logits bit for bit, and the engine
+gives the same greedy outputs with graphs as without, with and without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
+from cupyspec.config import EngineConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.model.cuda_graphs import BUCKETS
+from cupyspec.model.linear import GEMV_MAX_ROWS
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.speculative_config import SpeculativeConfig
+from golden import GOLDEN_PROMPTS
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+
+
+def test_gemv_boundary_is_a_bucket() -> None:
+    """A padded step must pick the matrix-product kernel family that the eager step picks."""
+    assert GEMV_MAX_ROWS in BUCKETS
+
+
+@pytest.fixture(scope="module")
+def model_and_graphs(default_model_path):
+    import cupy
+
+    from cupyspec.backend import select_backend
+    from cupyspec.loader import load_model
+    from cupyspec.model.cuda_graphs import CudaGraphs
+    from cupyspec.model.kv_arrays import KVCacheArrays
+    from cupyspec.model.llama import LlamaModel
+
+    loaded = load_model(default_model_path)
+    backend = select_backend("cuda")
+    model = LlamaModel(loaded.config, loaded.weights, backend)
+    kv = KVCacheArrays(cupy, loaded.config, 512, BLOCK_SIZE, backend.dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    return model, kv, stream, CudaGraphs(model, kv, stream, 64, MAX_MODEL_LEN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [
+    [(1, 0)], [(1, 37)], [(1, 100), (6, 50), (1, 16)], [(20, 0), (1, 300), (6, 15)], [(1, 5)] * 8, [(3, 40)] * 3,
+    [(1, 900), (6, 1000)] * 4,
+], ids=str)
+def test_replayed_step_gives_the_eager_logits(model_and_graphs, parts: list[tuple[int, int]]) -> None:
+    """parts: (new tokens, cached positions before them) of each request."""
+    import cupy
+
+    model, kv, stream, graphs = model_and_graphs
+    rng = np.random.default_rng(len(parts))
+    bounds = np.cumsum([0] + [-(-(start + n) // BLOCK_SIZE) for n, start in parts])  # each request's blocks
+    segments = [Segment(rng.integers(0, model.config.vocab_size, n).tolist(), start, list(range(lo, hi)))
+                for (n, start), lo, hi in zip(parts, bounds[:-1], bounds[1:])]
+    flat = build_flat_batch(segments, BLOCK_SIZE)
+    with stream:
+        eager = model.compute_logits(model.forward(DeviceBatch.of(cupy, flat), kv)).get()  # [T, V]
+        replayed = graphs.run(flat).get()  # [T, V]
+    assert np.isfinite(eager).all()
+    np.testing.assert_array_equal(replayed, eager)
+
+
+async def _greedy_tokens(model_path: str, cuda_graphs: bool, method: str | None) -> list[list[int]]:
+    speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0)
+    engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
+                                                   speculative=speculative))
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+
+    async def answer(prompt: str) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.chat([{"role": "user", "content": prompt}], params):
+            tokens += [t for d in out.deltas for t in d.token_ids]
+        return tokens
+
+    prompts = [p for p, _ in GOLDEN_PROMPTS] + ["Repeat this list exactly: " + ", ".join(map(str, range(40)))]
+    try:
+        return list(await asyncio.gather(*(answer(p) for p in prompts)))
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_greedy_outputs_with_cuda_graphs_equal_eager(default_model_path, method: str | None) -> None:
+    eager = asyncio.run(_greedy_tokens(default_model_path, False, method))
+    graphed = asyncio.run(_greedy_tokens(default_model_path, True, method))
+    assert graphed == eager
