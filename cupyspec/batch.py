@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ def build_flat_batch(segments: Sequence[Segment], block_size: int) -> FlatBatch:
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int32)  # [B]
     if len(segments) == 0 or lengths.min() < 1:
         raise ValueError("a batch needs at least one segment, each with at least one token")
+    num_blocks = np.array([len(s.block_ids) for s in segments], dtype=np.int32)  # [B]
     cu_seqlens_q = np.zeros(len(segments) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu_seqlens_q[1:])
     starts = np.array([s.start_position for s in segments], dtype=np.int32)  # [B]
@@ -74,14 +76,13 @@ def build_flat_batch(segments: Sequence[Segment], block_size: int) -> FlatBatch:
     positions = (np.arange(cu_seqlens_q[-1], dtype=np.int32) - cu_seqlens_q[batch_id_per_token]
                  + starts[batch_id_per_token])  # [T]
     seq_lens_kv = starts + lengths
-    max_blocks = max(len(s.block_ids) for s in segments)
-    block_tables = np.zeros((len(segments), max_blocks), dtype=np.int32)
-    for b, s in enumerate(segments):
-        block_tables[b, : len(s.block_ids)] = s.block_ids
-    needed = -(-seq_lens_kv // block_size)
-    if np.any(needed > np.array([len(s.block_ids) for s in segments])):
+    if np.any(-(-seq_lens_kv // block_size) > num_blocks):
         raise ValueError("a segment writes past its KV blocks")
+    block_tables = np.zeros((len(segments), num_blocks.max()), dtype=np.int32)
+    owner = np.repeat(np.arange(len(segments)), num_blocks)  # [sum blocks]: the segment of each block
+    column = np.arange(len(owner)) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
+    block_tables[owner, column] = list(itertools.chain.from_iterable(s.block_ids for s in segments))
     slot_mapping = (block_tables[batch_id_per_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    input_ids = np.fromiter((t for s in segments for t in s.token_ids), dtype=np.int32, count=int(cu_seqlens_q[-1]))
+    input_ids = np.array(list(itertools.chain.from_iterable(s.token_ids for s in segments)), dtype=np.int32)
     return FlatBatch(input_ids, positions, batch_id_per_token, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping)

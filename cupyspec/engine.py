@@ -174,7 +174,7 @@ class AsyncEngine:
                          sampling_key=self._sampling_key(params, i), max_drafts=max_drafts)
                 for i in range(params.n)]
         request = RequestState(
-            request_id=request_id, prompt_token_ids=token_ids, seqs=seqs,
+            request_id=request_id, prompt_token_ids=tuple(token_ids), seqs=seqs,
             detokenizers=[IncrementalDetokenizer(self.tokenizer, params, self.model_config.eos_token_ids, max_output)
                           for _ in seqs],
             arrival_time=now, speculative=self.config.speculative.enabled,

@@ -128,10 +128,9 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if len(state.hashes) >= num_full:
             return
-        token_ids = seq.token_ids
         parent = state.hashes[-1] if state.hashes else b""
         for i in range(len(state.hashes), num_full):
-            key = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = block_hash(parent, seq.tokens(i * self.block_size, (i + 1) * self.block_size))
             state.hashes.append(key)
             parent = key
             block = seq.block_ids[i]

@@ -21,7 +21,7 @@ class RequestState:
     """A request's choices, their detokenizers and the queue its caller reads."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
     arrival_time: float
@@ -136,7 +136,7 @@ class OutputProcessor:
                 total.add(seq.spec)
             spec = SpeculateMetrics.from_stats(total)
         request.queue.put_nowait(RequestOutput(
-            request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             deltas=tuple(request.pending), num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=request.num_output_tokens, finished=finished, prompt_logprobs=prompt_lps,
             speculate_metrics=spec))

@@ -37,7 +37,7 @@ class StepInputs:
     batch: FlatBatch
     target_rows: np.ndarray  # [R] int64: batch rows whose logits pick (or verify) tokens
     sampling: tuple[SamplingRow, ...]  # [R]
-    accept_uniforms: np.ndarray  # [R] float64: draws of the draft acceptance tests
+    accept_uniforms: np.ndarray  # [R] float64: draws of the draft acceptance tests (0 for greedy rows)
     owners: tuple[int, ...]  # [S]: scheduled index of each sampling sequence
     drafts: np.ndarray  # [S, K] int64, PLACEHOLDER_TOKEN_ID past each sequence's drafts
     num_drafts: np.ndarray  # [S] int64
@@ -64,11 +64,13 @@ def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: 
 
 
 def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
-    """Rows for positions num_tokens .. num_tokens + len(drafts): penalties see the drafts before."""
+    """Rows for positions num_tokens .. num_tokens + len(drafts), uniforms still 0: penalties see
+    the drafts before each row."""
     params = seq.params
+    if not params.has_penalties:
+        return [SamplingRow(params, 0.0)] * (len(drafts) + 1)
     prompt = np.asarray(seq.prompt_token_ids) if params.repetition_penalty != 1.0 else None
-    return [SamplingRow(params=params, uniform=0.0, prompt_token_ids=prompt,
-                        output_token_ids=np.asarray(seq.output_token_ids + drafts[:j]) if params.has_penalties else None)
+    return [SamplingRow(params, 0.0, prompt, np.asarray(seq.output_token_ids + drafts[:j]))
             for j in range(len(drafts) + 1)]
 
 
@@ -86,14 +88,16 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         segments: list[Segment] = []
-        target_rows, sampling, keys, positions = [], [], [], []
+        target_rows: list[int] = []
+        sampling: list[SamplingRow] = []
+        drawn, keys, positions = [], [], []  # rows that draw at random: index, key, position
         owners, draft_lists, top_logprobs, include_drafts = [], [], [], []
         prompt_rows, prompt_targets, prompt_owner = [], [], []
         row = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
             drafts = seq.draft_token_ids[:item.num_lookahead_tokens]
-            segments.append(Segment(item.token_ids + drafts, start, list(seq.block_ids)))
+            segments.append(Segment(item.token_ids + drafts, start, seq.block_ids))
             if seq.needs_prompt_logprobs:
                 for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(row + pos - start)
@@ -105,23 +109,29 @@ class ModelRunner:
                 top_logprobs.append(seq.params.logprobs)
                 include_drafts.append(seq.params.include_draft_logprobs)
                 target_rows.extend(range(row + n - 1, row + n + len(drafts)))
+                if not seq.params.greedy:
+                    drawn.extend(range(len(sampling), len(sampling) + len(drafts) + 1))
+                    keys.extend([seq.sampling_key] * (len(drafts) + 1))
+                    positions.extend(range(seq.num_tokens, seq.num_tokens + len(drafts) + 1))
                 sampling.extend(_sampling_rows(seq, drafts))
-                keys.extend([seq.sampling_key] * (len(drafts) + 1))
-                positions.extend(range(seq.num_tokens, seq.num_tokens + len(drafts) + 1))
             row += n + len(drafts)
-        keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
-        uniforms = counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM)
-        sampling = [SamplingRow(r.params, 0.0 if r.params.greedy else float(u), r.prompt_token_ids,
-                                r.output_token_ids) for r, u in zip(sampling, uniforms)]
+        # Greedy rows ignore their draws (and a greedy row's acceptance test is 0 < p, p in {0, 1}).
+        accept_uniforms = np.zeros(len(sampling), dtype=np.float64)
+        if drawn:
+            keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
+            for r, u in zip(drawn, counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM).tolist()):
+                sampling[r] = replace(sampling[r], uniform=u)
+            accept_uniforms[drawn] = counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM)
         max_drafts = max((len(d) for d in draft_lists), default=0)
         drafts_arr = np.full((len(draft_lists), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
-        for s, d in enumerate(draft_lists):
-            drafts_arr[s, :len(d)] = d
+        if max_drafts:
+            for s, d in enumerate(draft_lists):
+                drafts_arr[s, :len(d)] = d
         return StepInputs(
             batch=build_flat_batch(segments, self.kv.block_size),
             target_rows=np.asarray(target_rows, dtype=np.int64),
             sampling=tuple(sampling),
-            accept_uniforms=counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM),
+            accept_uniforms=accept_uniforms,
             owners=tuple(owners),
             drafts=drafts_arr,
             num_drafts=np.array([len(d) for d in draft_lists], dtype=np.int64),

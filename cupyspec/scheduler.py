@@ -28,7 +28,7 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.num_computed_before:self.num_computed_before + self.num_new_tokens]
+        return self.seq.tokens(self.num_computed_before, self.num_computed_before + self.num_new_tokens)
 
 
 @dataclass(frozen=True)

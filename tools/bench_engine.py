@@ -1,0 +1,75 @@
+"""Batched decoding in-process, without HTTP: the engine's counterpart of llama.cpp's batched-bench.
+
+    python tools/bench_engine.py --device cuda --batch-sizes 1 8 32 64 128 256 --prompt-len 128 --gen-len 128
+
+For each batch size B, B requests of `prompt-len` random token ids each generate `gen-len` tokens
+(greedy, ignoring end-of-sequence) through AsyncEngine.generate, all submitted at once. Reported:
+the prefill time (until every request has its first token), the decode throughput over the rest
+(generated tokens after the first / time), and the whole run's generated tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+
+from cupyspec.config import EngineConfig, SchedulerConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.speculative_config import SpeculativeConfig
+
+
+async def run_batch(engine: AsyncEngine, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(100, engine.model_config.vocab_size, (batch, prompt_len)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    first_token: list[float] = []
+
+    async def one(prompt: list[int]) -> int:
+        tokens = 0
+        async for out in engine.generate(prompt, params):
+            if not tokens:
+                first_token.append(time.perf_counter())
+            tokens += sum(len(d.token_ids) for d in out.deltas)
+        return tokens
+
+    start = time.perf_counter()
+    generated = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    end = time.perf_counter()
+    prefill_s = max(first_token) - start
+    return {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "generated": generated,
+            "prefill_s": prefill_s, "prefill_tok_per_s": batch * prompt_len / prefill_s,
+            "decode_tok_per_s": (generated - batch) / (end - max(first_token)),
+            "total_tok_per_s": generated / (end - start)}
+
+
+async def main(args: argparse.Namespace) -> None:
+    speculative = SpeculativeConfig.from_json(args.speculative_config)
+    config = EngineConfig(model=args.model, device=args.device, cuda_graphs=not args.enforce_eager,
+                          speculative=speculative,
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes),
+                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    engine = await AsyncEngine.create(config)
+    try:
+        await run_batch(engine, 1, args.prompt_len, 8, seed=0)  # warm-up
+        for batch in args.batch_sizes:
+            print(json.dumps(await run_batch(engine, batch, args.prompt_len, args.gen_len, seed=batch)), flush=True)
+    finally:
+        await engine.shutdown()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--speculative-config", default=None, help="JSON, as cupyspec-serve takes it")
+    p.add_argument("--enforce-eager", action="store_true")
+    asyncio.run(main(p.parse_args()))
