@@ -15,6 +15,15 @@ MTP_STRATEGIES = ("default", "with_ngram")
 MAX_SPECULATIVE_TOKENS = 8
 
 
+def _is_int(value: Any) -> bool:
+    """An integer, and not a boolean (JSON's `true` parses to a Python int subclass)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding settings. `method=None` means no speculation."""
@@ -42,32 +51,38 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative config: {message}")
 
         need(self.method is None or self.method in METHODS, f"method must be one of {', '.join(METHODS)}, not {self.method!r}")
-        need(isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-             f"num_speculative_tokens must be an integer from 0 to {MAX_SPECULATIVE_TOKENS}")
+        need(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens must be an integer from 0 to {MAX_SPECULATIVE_TOKENS}, "
+             f"not {self.num_speculative_tokens!r}")
         if self.method == "naive":
             object.__setattr__(self, "num_speculative_tokens", 0)
-        need(isinstance(self.num_model_steps, int) and self.num_model_steps >= 1, "num_model_steps must be a positive integer")
+        need(_is_int(self.num_model_steps) and self.num_model_steps >= 1,
+             f"num_model_steps must be a positive integer, not {self.num_model_steps!r}")
         need(self.method != "mtp" or self.num_speculative_tokens >= self.num_model_steps,
              "num_speculative_tokens must be at least num_model_steps")
         need(self.method != "mtp" or bool(self.model), "method 'mtp' needs 'model' (the MTP weights)")
-        need(self.verify_strategy in VERIFY_STRATEGIES, f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}")
-        need(self.accept_policy in ACCEPT_POLICIES, f"accept_policy must be one of {', '.join(ACCEPT_POLICIES)}")
-        need(self.mtp_strategy in MTP_STRATEGIES, f"mtp_strategy must be one of {', '.join(MTP_STRATEGIES)}")
-        need(isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max,
-             "ngram_min and ngram_max must be integers with 1 <= ngram_min <= ngram_max")
-        need(isinstance(self.suffix_decoding_max_tree_depth, int) and self.suffix_decoding_max_tree_depth >= 1,
-             "suffix_decoding_max_tree_depth must be a positive integer")
-        need(isinstance(self.suffix_decoding_max_cached_requests, int) and self.suffix_decoding_max_cached_requests >= -1,
-             "suffix_decoding_max_cached_requests must be an integer >= -1 (-1: unbounded)")
-        need(isinstance(self.suffix_decoding_max_spec_factor, (int, float)) and self.suffix_decoding_max_spec_factor > 0,
-             "suffix_decoding_max_spec_factor must be positive")
-        need(isinstance(self.suffix_decoding_min_token_prob, (int, float)) and 0 <= self.suffix_decoding_min_token_prob <= 1,
-             "suffix_decoding_min_token_prob must lie in [0, 1]")
-
-        need(isinstance(self.max_draft_tokens_per_step, int) and self.max_draft_tokens_per_step >= 0,
-             "max_draft_tokens_per_step must be a non-negative integer")
-        need(isinstance(self.min_acceptance_rate, (int, float)) and 0 <= self.min_acceptance_rate <= 1,
-             "min_acceptance_rate must lie in [0, 1]")
+        need(self.verify_strategy in VERIFY_STRATEGIES,
+             f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}, not {self.verify_strategy!r}")
+        need(self.accept_policy in ACCEPT_POLICIES,
+             f"accept_policy must be one of {', '.join(ACCEPT_POLICIES)}, not {self.accept_policy!r}")
+        need(self.mtp_strategy in MTP_STRATEGIES,
+             f"mtp_strategy must be one of {', '.join(MTP_STRATEGIES)}, not {self.mtp_strategy!r}")
+        need(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+             "ngram_min and ngram_max must be integers with 1 <= ngram_min <= ngram_max, "
+             f"not {self.ngram_min!r} and {self.ngram_max!r}")
+        need(_is_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 1,
+             f"suffix_decoding_max_tree_depth must be a positive integer, not {self.suffix_decoding_max_tree_depth!r}")
+        need(_is_int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= -1,
+             "suffix_decoding_max_cached_requests must be an integer >= -1 (-1: unbounded), "
+             f"not {self.suffix_decoding_max_cached_requests!r}")
+        need(_is_number(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0,
+             f"suffix_decoding_max_spec_factor must be a positive number, not {self.suffix_decoding_max_spec_factor!r}")
+        need(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
+             f"suffix_decoding_min_token_prob must be a number in [0, 1], not {self.suffix_decoding_min_token_prob!r}")
+        need(_is_int(self.max_draft_tokens_per_step) and self.max_draft_tokens_per_step >= 0,
+             f"max_draft_tokens_per_step must be a non-negative integer, not {self.max_draft_tokens_per_step!r}")
+        need(_is_number(self.min_acceptance_rate) and 0 <= self.min_acceptance_rate <= 1,
+             f"min_acceptance_rate must be a number in [0, 1], not {self.min_acceptance_rate!r}")
 
     @property
     def enabled(self) -> bool:
@@ -101,7 +116,7 @@ class RequestSpeculation:
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+        if k is not None and (not _is_int(k) or k < 0):
             raise InvalidRequestError("speculative.num_speculative_tokens must be a non-negative integer",
                                       "speculative.num_speculative_tokens")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from cupyspec.metrics import Counter, EngineMetrics, Histogram, format_labels, format_value
+from cupyspec.outputs import SpeculateMetrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
 
@@ -82,6 +83,21 @@ def test_engine_metrics_render() -> None:
     buckets = [v for k, v in ttft.items() if "_bucket" in k]
     assert buckets == sorted(buckets)  # cumulative
     assert {"cupyspec:time_per_output_token_seconds", "cupyspec:e2e_request_latency_seconds"} <= set(families)
+
+
+def test_speculation_counters_sum_finished_requests() -> None:
+    m = EngineMetrics(model_name="m")
+    m.on_speculation(SpeculateMetrics(4, 8, 6, 10, 0.75, 2.5, (4, 2)))
+    m.on_speculation(SpeculateMetrics(3, 9, 1, 4, 1 / 9, 4 / 3, (1, 0, 0)))
+    m.on_speculation(SpeculateMetrics(5, 0, 0, 5, 0.0, 1.0, ()))  # speculation off for the request
+    families = parse_exposition(m.render(Stats()))
+    for name, total in (("num_steps", 12), ("num_draft_tokens", 17), ("num_accepted_tokens", 7),
+                        ("num_emitted_tokens", 19)):
+        family = f"cupyspec:spec_decode_{name}_total"
+        assert families[family] == ("counter", {f'{family}{{model_name="m"}}': total})
+    family = "cupyspec:spec_decode_num_accepted_tokens_per_pos_total"
+    assert families[family] == ("counter", {f'{family}{{model_name="m",position="{j}"}}': n
+                                            for j, n in enumerate((5, 2, 0))})
 
 
 def test_empty_registry_is_valid() -> None:

@@ -1,22 +1,27 @@
 """The HTTP server over the real engine (tiny model on the CPU): error bodies, stream format,
-disconnects freeing the KV cache, health during a long prefill, graceful shutdown of the CLI."""
+disconnects freeing the KV cache, 503 on a full queue and while shutting down, health during a long
+prefill, graceful shutdown of the CLI on SIGTERM and SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
-from server_fixtures import TINY_MAX_WAITING, LiveServer, default_model_file, tiny_server  # noqa: F401
+from server_fixtures import TINY_MAX_WAITING, LiveServer, default_model_file, tiny_config, tiny_server  # noqa: F401
 from tiny_models import tiny_model_paths
 
 from cupyspec.config import EngineConfig, SchedulerConfig
@@ -175,6 +180,101 @@ def test_metrics_endpoint(tiny_server: LiveServer) -> None:  # noqa: F811
     assert "cupyspec:kv_cache_usage_perc" in names and "# TYPE cupyspec:time_to_first_token_seconds histogram" in text
 
 
+@pytest.fixture
+def held_server(tmp_path: Path) -> Iterator[tuple[LiveServer, threading.Event]]:
+    """A fresh server for one running sequence and two waiting, whose model steps wait (in their worker
+    thread, the event loop free) until the event is set: requests pile up for as long as a test needs."""
+    config = tiny_config(tmp_path)
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=1,
+                                                                       max_waiting_requests=2))
+    server = LiveServer(config).start()
+    release = threading.Event()
+    run_step = server.engine.runner.run
+
+    def held_step(inputs: Any) -> Any:
+        release.wait(60)
+        return run_step(inputs)
+
+    server.engine.runner.run = held_step
+    try:
+        yield server, release
+    finally:
+        release.set()
+        server.stop()
+
+
+async def post(session: aiohttp.ClientSession, path: str, body: dict) -> tuple[int, dict]:
+    async with session.post(path, json=body) as response:
+        return response.status, json.loads(await response.text())
+
+
+async def until_load(server: LiveServer, running: int, waiting: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        stats = await asyncio.to_thread(server.stats)
+        if (stats.num_running, stats.num_waiting) == (running, waiting):
+            return
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.01)
+
+
+def assert_503(status: int, body: dict, code: str) -> None:
+    assert status == 503 and set(body) == {"error"}, body
+    error = body["error"]
+    assert (error["type"], error["param"], error["code"]) == ("server_error", None, code) and error["message"]
+
+
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)  # a request the server should refuse must not hang the test
+SHORT = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+REFUSED_REQUESTS = [(COMPLETIONS, SHORT), (COMPLETIONS, {**SHORT, "stream": True}),
+                    (CHAT, {"messages": USER, "max_tokens": 3}), (CHAT, {"messages": USER, "stream": True})]
+
+
+def test_full_waiting_queue_answers_503_then_serves_again(held_server: tuple[LiveServer, threading.Event]) -> None:
+    server, release = held_server
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(base_url=server.base_url, timeout=CLIENT_TIMEOUT) as session:
+            queued = [asyncio.ensure_future(post(session, COMPLETIONS, SHORT)) for _ in range(3)]
+            await until_load(server, running=1, waiting=2)
+            for path, body in REFUSED_REQUESTS:
+                assert_503(*await post(session, path, body), code="overloaded")
+            assert (await asyncio.to_thread(server.stats)).num_waiting == 2  # the refused ones left no trace
+            release.set()
+            for status, response in await asyncio.gather(*queued):
+                assert status == 200 and response["usage"]["completion_tokens"] == 3
+            status, response = await post(session, COMPLETIONS, SHORT)
+            assert status == 200 and response["choices"][0]["finish_reason"] == "length"
+
+    asyncio.run(main())
+    assert server.wait_idle().num_used_kv_blocks == 0
+
+
+def test_requests_during_shutdown_get_503_while_running_ones_finish(
+        held_server: tuple[LiveServer, threading.Event]) -> None:
+    server, release = held_server
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(base_url=server.base_url, timeout=CLIENT_TIMEOUT) as session:
+            running = asyncio.ensure_future(post(session, COMPLETIONS, SHORT))
+            await until_load(server, running=1, waiting=0)
+            shutdown = asyncio.ensure_future(asyncio.to_thread(server.run, server.engine.shutdown(30.0)))
+            while server.engine.is_serving:
+                await asyncio.sleep(0.01)
+            for path, body in REFUSED_REQUESTS:
+                assert_503(*await post(session, path, body), code="engine_closed")
+            async with session.get("/health") as health:
+                assert health.status == 503
+            assert not running.done() and not shutdown.done()
+            release.set()
+            status, response = await running
+            assert status == 200 and response["choices"][0]["finish_reason"] == "length"
+            await shutdown
+
+    asyncio.run(main())
+    assert server.stats().num_used_kv_blocks == 0
+
+
 def test_health_answers_during_a_long_prefill() -> None:
     model = default_model_file()
     if model is None:
@@ -206,7 +306,8 @@ def test_health_answers_during_a_long_prefill() -> None:
         server.stop()
 
 
-def test_cli_serves_and_shuts_down_gracefully(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_cli_serves_and_shuts_down_gracefully(tmp_path: Path, stop_signal: signal.Signals) -> None:
     _hf, gguf_path = tiny_model_paths(tmp_path, "llama")
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
@@ -224,7 +325,7 @@ def test_cli_serves_and_shuts_down_gracefully(tmp_path: Path) -> None:
             {"prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}).encode())
         with urllib.request.urlopen(request, timeout=60) as response:
             first = response.readline()
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(stop_signal)
             rest = response.read().decode()
         events = sse_events(first.decode() + rest)
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off

@@ -1,9 +1,11 @@
-"""Per-request speculation over HTTP: the `speculative` body field and `speculate_metrics` in
-responses and stream chunks, with the real engine (tiny model, ngram drafts) on the CPU."""
+"""Per-request speculation over HTTP: the `speculative` body field, `speculate_metrics` in responses
+and stream chunks and their Prometheus counters, and logprobs equal to those without speculation, with
+the real engine (tiny model, ngram drafts) on the CPU."""
 
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,9 @@ REPEATING = "one two three four five six " * 6  # ngram drafts continue it
 # Prompts after which the tiny model's greedy output repeats itself: drafts get accepted at every position.
 ACCEPTING_PROMPTS: list[str | list[int]] = [[5] * 20, "The quick brown fox. " * 5]
 MESSAGES = [{"role": "user", "content": REPEATING}]
+# Text prompts and chat messages whose first 40 greedy tokens accept drafts at every position.
+ACCEPTING_TEXTS = ["1 2 3 1 2 3 1 2 3", "Hello " * 10]
+ACCEPTING_MESSAGES = [{"role": "user", "content": "The quick brown fox. " * 5}]
 METRIC_KEYS = {"num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
                "mean_acceptance_length", "accepted_per_position"}
 
@@ -175,6 +180,96 @@ def test_server_without_speculation_adds_no_field(tiny_server: LiveServer) -> No
         with pytest.raises(openai.BadRequestError) as info:
             plain.completions.create(model="tiny-llama", prompt="a", max_tokens=5, **with_speculative(1))
         assert info.value.param == "speculative.num_speculative_tokens"
+
+
+SPEC_COUNTERS = {key: f"cupyspec:spec_decode_{key}_total"
+                 for key in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")}
+
+
+def scrape(server: LiveServer) -> dict[str, float]:
+    """The samples of `GET /metrics`, by name with labels."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def test_prometheus_counters_add_up_the_responses_metrics(client: openai.OpenAI, spec_server: LiveServer) -> None:
+    before = scrape(spec_server)
+    chat = client.chat.completions.create(model="tiny-llama", messages=ACCEPTING_MESSAGES, max_tokens=40, **GREEDY)
+    completion = client.completions.create(model="tiny-llama", prompt=ACCEPTING_TEXTS, max_tokens=40, **GREEDY)
+    stream = stream_chunks(client, "completions", False, prompt=REPEATING, max_tokens=20)
+    fewer = client.completions.create(model="tiny-llama", prompt=REPEATING, max_tokens=20, **with_speculative(1))
+    responses = [metrics_of(r) for r in (chat, completion, stream[-1], fewer)]
+    after = scrape(spec_server)
+
+    def added(sample: str) -> float:
+        return after[sample] - before.get(sample, 0.0)
+
+    label = 'model_name="tiny-llama"'
+    for key, name in SPEC_COUNTERS.items():
+        assert added(f"{name}{{{label}}}") == sum(m[key] for m in responses), key
+    per_position = [sum(m["accepted_per_position"][j] for m in responses if j < len(m["accepted_per_position"]))
+                    for j in range(K)]
+    name = "cupyspec:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [added(f'{name}{{{label},position="{j}"}}') for j in range(K)] == per_position
+    assert per_position[K - 1] > 0 and added(f"{SPEC_COUNTERS['num_steps']}{{{label}}}") > 0
+
+
+def chat_entries(logprobs: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """(token, bytes, logprob, [(token, bytes, logprob) of the top alternatives]) per emitted token."""
+    return [(e["token"], e["bytes"], e["logprob"], [(t["token"], t["bytes"], t["logprob"]) for t in e["top_logprobs"]])
+            for e in logprobs["content"]]
+
+
+def completion_entries(logprobs: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """(token, text offset, logprob, [(token, logprob) of the top alternatives]) per emitted token."""
+    return [(token, offset, logprob, list(top.items())) for token, offset, logprob, top in
+            zip(logprobs["tokens"], logprobs["text_offset"], logprobs["token_logprobs"], logprobs["top_logprobs"],
+                strict=True)]
+
+
+def logprobs_by_choice(c: openai.OpenAI, endpoint: str, stream: bool) -> tuple[list[list[tuple[Any, ...]]], Any]:
+    """Each choice's logprob entries, concatenated over the stream's chunks; and the response or last chunk."""
+    if endpoint == "chat":
+        body: dict[str, Any] = {"messages": ACCEPTING_MESSAGES, "logprobs": True, "top_logprobs": 5}
+        create, entries = c.chat.completions.create, chat_entries
+    else:
+        body = {"prompt": ACCEPTING_TEXTS, "logprobs": 5}
+        create, entries = c.completions.create, completion_entries
+    result = create(model="tiny-llama", max_tokens=40, stream=stream, **body, **GREEDY)
+    chunks = list(result) if stream else [result]
+    by_choice: dict[int, list[tuple[Any, ...]]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            logprobs = choice.model_dump()["logprobs"]
+            by_choice.setdefault(choice.index, []).extend(entries(logprobs) if logprobs else [])
+    return [by_choice[i] for i in sorted(by_choice)], chunks[-1]
+
+
+def assert_same_entries(want: Any, got: Any, where: str = "") -> None:
+    """Equal tokens, offsets and ranks; floats within 1e-4."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, type(want)) and len(got) == len(want), where
+        for i, (w, g) in enumerate(zip(want, got)):
+            assert_same_entries(w, g, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_logprobs_equal_those_of_a_server_without_speculation(
+        client: openai.OpenAI, tiny_server: LiveServer, endpoint: str, stream: bool) -> None:  # noqa: F811
+    with openai_client(tiny_server) as plain:
+        want, _ = logprobs_by_choice(plain, endpoint, stream)
+    got, last = logprobs_by_choice(client, endpoint, stream)
+    assert len(want) == (1 if endpoint == "chat" else len(ACCEPTING_TEXTS))
+    assert all(len(entries) == 40 and all(len(e[3]) >= 5 for e in entries) for entries in want)
+    assert_same_entries(want, got)
+    assert metrics_of(last)["accepted_per_position"][K - 1] > 0  # whole runs of drafts and bonus tokens
 
 
 def engine_output(metrics: SpeculateMetrics | None, finished: bool = True) -> RequestOutput:
