@@ -33,6 +33,7 @@ from cupyspec.sequence import Sequence
 from cupyspec.spec.drafter import Drafter
 from cupyspec.spec.factory import make_proposer
 from cupyspec.speculative_config import RequestSpeculation
+from cupyspec.worker import StepThread
 
 log = logging.getLogger("cupyspec")
 
@@ -208,6 +209,7 @@ class AsyncEngine:
     # ---------------------------------------------------------------- the loop
 
     async def _run_loop(self) -> None:
+        steps = StepThread("cupyspec-step")
         try:
             while True:
                 while self._aborts:
@@ -218,6 +220,7 @@ class AsyncEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                started = time.perf_counter()
                 if self.drafter is not None:
                     self.drafter.prepare(self.scheduler.running)
                 sched = self.scheduler.schedule()
@@ -226,12 +229,18 @@ class AsyncEngine:
                     await asyncio.sleep(0)
                     continue
                 inputs = self.runner.prepare(sched)
-                step_outputs = await asyncio.to_thread(self.runner.run, inputs)
+                step_outputs = await steps.run(self.runner.run, inputs)
                 self.outputs.process_step(sched, step_outputs)
+                if self.drafter is not None:
+                    self.drafter.observe_step(sched.num_tokens, len(sched.scheduled),
+                                              sum(1 for item in sched.scheduled if item.num_lookahead_tokens),
+                                              time.perf_counter() - started)
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine step failed")
             self._closed = True
             self.outputs.fail_all(EngineClosedError(f"the engine failed: {exc}"))
+        finally:
+            steps.close()
 
     def _on_sequence_finished(self, seq: Sequence) -> None:
         if self.drafter is not None:

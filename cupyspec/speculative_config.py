@@ -44,6 +44,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     max_draft_tokens_per_step: int = 256  # drafts in one step, all sequences together (back-off)
     min_acceptance_rate: float = 0.1  # a sequence accepting less stops drafting, probing now and then
+    cost_aware_backoff: bool = True  # weigh each draft's chance against the learned cost of a step (policy.py)
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -83,6 +84,8 @@ class SpeculativeConfig:
              f"max_draft_tokens_per_step must be a non-negative integer, not {self.max_draft_tokens_per_step!r}")
         need(_is_number(self.min_acceptance_rate) and 0 <= self.min_acceptance_rate <= 1,
              f"min_acceptance_rate must be a number in [0, 1], not {self.min_acceptance_rate!r}")
+        need(isinstance(self.cost_aware_backoff, bool),
+             f"cost_aware_backoff must be true or false, not {self.cost_aware_backoff!r}")
 
     @property
     def enabled(self) -> bool:

@@ -87,6 +87,7 @@ SUFFIX: dict[str, Any] = {"method": "suffix"}
     ({**NGRAM, "ngram_max": False}, "ngram_min and ngram_max must be integers"),
     ({**NGRAM, "max_draft_tokens_per_step": True}, "max_draft_tokens_per_step must be a non-negative integer"),
     ({**NGRAM, "min_acceptance_rate": -0.1}, "min_acceptance_rate must be a number in [0, 1], not -0.1"),
+    ({**NGRAM, "cost_aware_backoff": 1}, "cost_aware_backoff must be true or false, not 1"),
     ({**SUFFIX, "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be a positive integer"),
     ({**SUFFIX, "suffix_decoding_max_cached_requests": -2}, "suffix_decoding_max_cached_requests must be an integer"),
     ({**SUFFIX, "suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a positive number"),

@@ -67,7 +67,7 @@ def test_replayed_step_gives_the_eager_logits(model_and_graphs, parts: list[tupl
 
 
 async def _greedy_tokens(model_path: str, cuda_graphs: bool, method: str | None) -> list[list[int]]:
-    speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0)
+    speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0, cost_aware_backoff=False)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
                                                    speculative=speculative))
     params = SamplingParams(temperature=0.0, max_tokens=96)

@@ -301,7 +301,8 @@ LIVE_PROMPT = [5] * 20  # the tiny model's greedy output repeats: ngram drafts g
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     config = dataclasses.replace(tiny_config(tmp_path_factory.mktemp("tiny-model")),
-                                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K))
+                                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+                                                                 cost_aware_backoff=False))
     server = LiveServer(config).start()
     try:
         yield server

@@ -35,7 +35,8 @@ METRIC_KEYS = {"num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emit
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     config = dataclasses.replace(tiny_config(tmp_path_factory.mktemp("tiny-model")),
-                                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K))
+                                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+                                                                 cost_aware_backoff=False))
     server = LiveServer(config).start()
     try:
         yield server

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import astuple, replace
 
+import numpy as np
 import pytest
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -11,7 +13,8 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.policy import PROBE_INTERVAL, draft_limits
+from cupyspec.spec.policy import PROBE_INTERVAL, best_drafts, draft_limits
+from cupyspec.spec.step_cost import StepCost, StepCostModel
 from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
 from tiny_models import tiny_model_paths
 
@@ -24,7 +27,8 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 
 async def make_engine(path: str, **spec) -> AsyncEngine:
-    speculative = SpeculativeConfig(**spec) if spec else SpeculativeConfig()
+    """An engine on the tiny model; speculation (if any) with the fixed back-off rules unless asked."""
+    speculative = SpeculativeConfig(**{"cost_aware_backoff": False} | spec) if spec else SpeculativeConfig()
     return await AsyncEngine.create(EngineConfig(model=path, device="cpu", cache=CacheConfig(block_size=4),
                                                  scheduler=SchedulerConfig(max_num_batched_tokens=256),
                                                  speculative=speculative))
@@ -183,11 +187,12 @@ def test_request_speculation_setting(tiny_gguf):
     assert param == "speculative.num_speculative_tokens"
 
 
-def _decoding_seq(max_drafts: int, ema: float = 1.0, steps_since_draft: int = 0) -> Sequence:
+def _decoding_seq(max_drafts: int, acceptance: float = 1.0, steps_since_draft: int = 0) -> Sequence:
     seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=100), 103, 0.0, 0, max_drafts=max_drafts)
     seq.output_token_ids = [4]
     seq.num_computed_tokens = 3
-    seq.spec.acceptance_ema, seq.spec.steps_since_draft = ema, steps_since_draft
+    seq.spec.recent_accepted, seq.spec.recent_tested = acceptance, 1.0
+    seq.spec.steps_since_draft = steps_since_draft
     return seq
 
 
@@ -197,9 +202,12 @@ def test_back_off_rule():
     few = [_decoding_seq(5) for _ in range(2)]
     assert list(draft_limits(few, config).values()) == [5, 5]
     crowd = [_decoding_seq(5) for _ in range(4)]
-    assert list(draft_limits(crowd, config).values()) == [3, 3, 3, 3]  # 12 drafts shared by 4
-    assert set(draft_limits([_decoding_seq(5) for _ in range(13)], config).values()) == {0}
-    poor = _decoding_seq(5, ema=0.1)
+    assert list(draft_limits(crowd, config).values()) == [3, 3, 3, 3]  # 12 drafts, earliest positions first
+    many = list(draft_limits([_decoding_seq(5) for _ in range(13)], config).values())
+    assert sum(many) == 12 and max(many) == 1
+    mixed = [_decoding_seq(5, acceptance=0.9), _decoding_seq(5, acceptance=0.5), _decoding_seq(5)]
+    assert list(draft_limits(mixed, replace(config, max_draft_tokens_per_step=6)).values()) == [1, 0, 5]
+    poor = _decoding_seq(5, acceptance=0.1)
     assert list(draft_limits([poor], config).values()) == [0]
     poor.spec.steps_since_draft = PROBE_INTERVAL
     assert list(draft_limits([poor], config).values()) == [1]  # a probe
@@ -208,14 +216,45 @@ def test_back_off_rule():
     assert list(draft_limits([near_end], config).values()) == [2]  # the step emits at most 3 tokens
 
 
-def test_many_sequences_stop_drafting(tiny_gguf):
-    async def main():
-        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3, max_draft_tokens_per_step=4)
-        outs = await asyncio.gather(*(collect(engine, REPEAT[i:], GREEDY) for i in range(8)))
-        await engine.shutdown()
-        return [o["out"].speculate_metrics for o in outs]
+def test_draft_acceptance_counts_tested_drafts():
+    seq = _decoding_seq(5)
+    seq.spec.recent_accepted = seq.spec.recent_tested = 0.0
+    seq.spec.record((True, True, False, False), 3)  # 3 tested: 2 accepted, then the first rejection
+    assert seq.spec.draft_acceptance == pytest.approx(2 / 3)
+    seq.spec.record((True, True), 3)  # both tested and accepted
+    assert seq.spec.draft_acceptance == pytest.approx((0.7 * 2 + 2) / (0.7 * 3 + 2))
 
-    metrics = asyncio.run(main())
-    assert sum(m.num_steps for m in metrics) > 0
-    # eight sequences decode together most of the time: 4 drafts shared by 8 gives none
-    assert sum(m.num_draft_tokens for m in metrics) < sum(m.num_steps for m in metrics) / 4
+
+def test_drafts_are_taken_while_they_pay_for_their_time():
+    acceptance, limits = np.array([0.9, 0.5, 0.1]), np.array([5, 5, 5])
+    # a step of 1 ms for 3 tokens whose rows cost 1 us: every draft that may be kept pays
+    assert best_drafts(acceptance, limits, 3, 1e-3, 1e-6, 1e-6).tolist() == [5, 5, 2]
+    # 256 sequences in 27 ms: a draft row costs 20 us, a drafting sequence 80 us more
+    assert best_drafts(acceptance, limits, 256, 27e-3, 20e-6, 80e-6).tolist() == [5, 0, 0]
+    # drafts that cost more than a whole step's tokens are worth: none
+    assert best_drafts(acceptance, limits, 256, 27e-3, 1e-3, 0.0).tolist() == [0, 0, 0]
+
+
+def test_the_step_cost_fit_recovers_the_terms():
+    model, rng = StepCostModel(), np.random.default_rng(0)
+    assert model.fit() is None  # too few steps
+    for _ in range(200):
+        seqs = int(rng.integers(1, 257))
+        drafting = int(rng.integers(0, seqs + 1))
+        rows = seqs + drafting * int(rng.integers(1, 6))
+        model.observe(rows, seqs, drafting, 1e-3 + 4e-6 * rows + 30e-6 * seqs + 50e-6 * drafting)
+    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 30e-6, 50e-6), rel=1e-6)
+
+
+def test_learned_costs_drive_the_back_off(tiny_gguf):
+    async def drafts_with(cost: StepCost) -> int:
+        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3, cost_aware_backoff=True)
+        engine.drafter.step_cost.fit = lambda: cost
+        out = await collect(engine, REPEAT, GREEDY)
+        await engine.shutdown()
+        return out["out"].speculate_metrics.num_draft_tokens
+
+    assert asyncio.run(drafts_with(StepCost(1e-3, 0.0, 0.0, 0.0))) > 0  # free drafts
+    assert asyncio.run(drafts_with(StepCost(1e-3, 0.0, 0.0, 1.0))) == 0  # a second per drafting sequence
+
+

@@ -56,7 +56,7 @@ def baseline(default_model_path, prompts) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["ngram", "suffix", "naive"])
 def test_speculation_keeps_greedy_outputs_of_the_default_model(default_model_path, prompts, baseline, method):
     config = EngineConfig(model=default_model_path, device="cpu",
-                          speculative=SpeculativeConfig(method=method, num_speculative_tokens=5))
+                          speculative=SpeculativeConfig(method=method, num_speculative_tokens=5, cost_aware_backoff=False))
 
     async def main():
         engine = await AsyncEngine.create(config)

@@ -9,6 +9,7 @@ import numpy as np
 from cupyspec.sequence import Sequence
 from cupyspec.spec.policy import draft_limits
 from cupyspec.spec.proposer import DraftRequest, Proposer
+from cupyspec.spec.step_cost import StepCostModel
 from cupyspec.speculative_config import SpeculativeConfig
 
 
@@ -17,9 +18,15 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
+        self.step_cost = StepCostModel()  # what rows and drafting sequences cost, for the back-off rule
+
+    def observe_step(self, rows: int, seqs: int, drafting: int, seconds: float) -> None:
+        """One engine step's wall time, with its rows, sequences and how many of them drafted."""
+        self.step_cost.observe(rows, seqs, drafting, seconds)
 
     def prepare(self, running: Seq[Sequence]) -> None:
-        limits = draft_limits(running, self.config)
+        cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
+        limits = draft_limits(running, self.config, cost)
         asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0]
         for seq in running:
             seq.draft_token_ids = []

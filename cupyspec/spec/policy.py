@@ -2,33 +2,90 @@
 
 1. A sequence drafts up to its limit: the server's `num_speculative_tokens`, lowered by the
    request's own setting and by the tokens it may still emit (a step emits drafts + 1).
-2. A sequence whose recent acceptance rate (an average weighted towards recent steps) is below
-   `min_acceptance_rate` stops drafting, except for a one-draft probe every
-   `PROBE_INTERVAL` steps that lets its average recover.
-3. A step holds at most `max_draft_tokens_per_step` drafts in all: with many sequences
-   decoding, each gets floor(that / their number), and none once they outnumber it.
+2. Its recent draft acceptance a (the share of tested drafts accepted, weighted towards recent
+   steps) says how much a draft is worth: draft i of the step is kept with probability a^i.
+   Below `min_acceptance_rate` it stops drafting, except for a one-draft probe every
+   `PROBE_INTERVAL` steps that lets its estimate recover.
+3. Drafts cost time: the engine learns what a step costs per row and per drafting sequence
+   (`StepCostModel`). Each step takes the drafts that maximize the expected tokens emitted per
+   second of the step (the ratio is maximized exactly, by Dinkelbach's iteration). With few
+   sequences a step's time hardly grows with its rows and every useful draft is taken; as the
+   batch grows, a draft must be likelier to be kept to pay for itself, and under full load
+   speculation stops.
+4. A step holds at most `max_draft_tokens_per_step` drafts in all: the likeliest ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import numpy as np
 
 from cupyspec.sequence import Sequence
+from cupyspec.spec.step_cost import StepCost
 from cupyspec.speculative_config import SpeculativeConfig
 
 PROBE_INTERVAL = 8
+DINKELBACH_ITERATIONS = 16
 
 
-def draft_limits(seqs: Iterable[Sequence], config: SpeculativeConfig) -> dict[int, int]:
-    """seq_id -> the most drafts that sequence may propose now."""
-    decoding = [s for s in seqs if s.num_uncomputed_tokens == 1 and s.output_token_ids]
+def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None) -> dict[int, int]:
+    """seq_id -> the most drafts that decoding sequence may propose now (`cost`: None before it is learned)."""
+    decoding = [s for s in running if s.num_uncomputed_tokens == 1 and s.output_token_ids]
     if not decoding:
         return {}
-    share = config.max_draft_tokens_per_step // len(decoding)
-    limits = {}
-    for seq in decoding:
-        limit = min(seq.max_drafts, share, seq.max_total_tokens - seq.num_tokens - 1)
-        if seq.spec.acceptance_ema < config.min_acceptance_rate:
-            limit = min(limit, 1) if seq.spec.steps_since_draft >= PROBE_INTERVAL else 0
-        limits[seq.seq_id] = max(0, limit)
-    return limits
+    acceptance = np.array([s.spec.draft_acceptance for s in decoding])  # [S]
+    limits = np.array([max(0, min(s.max_drafts, s.max_total_tokens - s.num_tokens - 1)) for s in decoding])  # [S]
+    poor = acceptance < config.min_acceptance_rate
+    probing = np.array([s.spec.steps_since_draft >= PROBE_INTERVAL for s in decoding])
+    limits = np.where(poor, np.minimum(limits, probing.astype(int)), limits)
+    if cost is not None and limits.any():
+        limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running), 0),
+                             cost.per_row, cost.per_drafting_seq)
+    limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
+    return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
+
+
+def _kept(acceptance: np.ndarray, width: int) -> np.ndarray:
+    """[S, width]: probability that draft i + 1 is kept, acceptance^(i + 1)."""
+    return acceptance[:, None] ** np.arange(1, width + 1)[None, :]
+
+
+def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, base_seconds: float,
+                per_row: float, per_drafting_seq: float) -> np.ndarray:
+    """Drafts [S] per sequence, each within limits [S], that maximize
+    (base_tokens + expected kept drafts) / (base_seconds + per_drafting_seq * drafting + per_row * drafts).
+
+    Dinkelbach: for the current ratio r, each sequence independently takes the k maximizing
+    (expected kept of its k drafts) - r * (cost of k drafts); r is then re-evaluated, and grows
+    until no sequence changes its choice.
+    """
+    width = int(limits.max())
+    count = np.arange(1, width + 1)  # [K]
+    gain = np.cumsum(_kept(acceptance, width), axis=1)  # [S, K]: expected kept with k = 1..K drafts
+    cost = per_drafting_seq + per_row * count  # [K]
+    allowed = count[None, :] <= limits[:, None]  # [S, K]
+    take = np.zeros(len(limits), dtype=int)
+    ratio = base_tokens / max(base_seconds, 1e-9)
+    for _ in range(DINKELBACH_ITERATIONS):
+        value = np.where(allowed, gain - ratio * cost[None, :], 0.0)  # [S, K]
+        best = value.argmax(axis=1)  # [S]
+        choice = np.where(value[np.arange(len(limits)), best] > 0, best + 1, 0)  # [S]
+        if np.array_equal(choice, take):
+            break
+        take = choice
+        drafting = take > 0
+        ratio = ((base_tokens + gain[drafting, take[drafting] - 1].sum())
+                 / max(base_seconds + cost[take[drafting] - 1].sum(), 1e-9))
+    return take
+
+
+def likeliest(acceptance: np.ndarray, limits: np.ndarray, budget: int) -> np.ndarray:
+    """limits [S] cut to the `budget` drafts likeliest to be kept (ties: earlier draft positions first)."""
+    if limits.sum() <= budget:
+        return limits
+    width = int(limits.max())
+    kept = np.where(np.arange(width)[None, :] < limits[:, None], _kept(acceptance, width), -1.0)  # [S, K]
+    order = np.lexsort((np.arange(kept.size) % len(limits), np.arange(kept.size) // len(limits),
+                        -kept.T.ravel()))[:budget]  # position-major flat indices into kept.T
+    return np.bincount(order % len(limits), minlength=len(limits))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ACCEPTANCE_EMA_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
+ACCEPTANCE_DECAY = 0.7  # weight kept by a sequence's past steps in its recent acceptance estimate
 
 
 @dataclass
@@ -16,7 +16,11 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    acceptance_ema: float = 1.0  # recent acceptance rate, for the back-off rule
+    # Recent per-draft acceptance, for the back-off rule: drafts accepted over drafts tested (the
+    # accepted ones and the first rejected one of each step), weighted towards recent steps; one
+    # accepted test as the prior.
+    recent_accepted: float = 1.0
+    recent_tested: float = 1.0
     steps_since_draft: int = 0
 
     def record(self, accepted: tuple[bool, ...], num_emitted: int) -> None:
@@ -33,8 +37,9 @@ class SpecStats:
             self.accepted_per_position += [0] * (len(accepted) - len(self.accepted_per_position))
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
-        rate = num_accepted / len(accepted)
-        self.acceptance_ema += ACCEPTANCE_EMA_WEIGHT * (rate - self.acceptance_ema)
+        tested = num_accepted + (num_accepted < len(accepted))
+        self.recent_accepted = ACCEPTANCE_DECAY * self.recent_accepted + num_accepted
+        self.recent_tested = ACCEPTANCE_DECAY * self.recent_tested + tested
 
     def add(self, other: SpecStats) -> None:
         self.num_steps += other.num_steps
@@ -45,6 +50,11 @@ class SpecStats:
         self.accepted_per_position = [
             (self.accepted_per_position[j] if j < len(self.accepted_per_position) else 0)
             + (other.accepted_per_position[j] if j < len(other.accepted_per_position) else 0) for j in range(longer)]
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The recent probability that a draft is accepted once the drafts before it are."""
+        return self.recent_accepted / self.recent_tested
 
     @property
     def acceptance_rate(self) -> float:

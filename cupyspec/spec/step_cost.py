@@ -1,0 +1,53 @@
+"""What an engine step costs, learned online: seconds = fixed + per row + per sequence + per drafting sequence.
+
+The engine reports each step's wall time (scheduling, forward pass, sampling or verification,
+output processing: everything the loop does per step) with its rows, its sequences and how many of
+them drafted. An exponentially weighted least-squares fit of those four terms gives the back-off
+rule (`cupyspec/spec/policy.py`) the price of a draft row and of a sequence that drafts at all,
+on this machine, model and load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DECAY = 0.97  # weight kept by past steps at each new one (about 30 steps of memory)
+MIN_STEPS = 16  # steps observed before the fit is used
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per step: fixed + per_row * rows + per_seq * sequences + per_drafting_seq * drafting."""
+
+    fixed: float
+    per_row: float
+    per_seq: float
+    per_drafting_seq: float
+
+    def seconds(self, rows: float, seqs: float, drafting: float) -> float:
+        return self.fixed + self.per_row * rows + self.per_seq * seqs + self.per_drafting_seq * drafting
+
+
+class StepCostModel:
+    """Exponentially weighted least squares over the steps observed so far."""
+
+    def __init__(self) -> None:
+        self._gram = np.zeros((4, 4))  # [4, 4] weighted sum of x x^T
+        self._moment = np.zeros(4)  # [4] weighted sum of x * seconds
+        self.num_steps = 0
+
+    def observe(self, rows: int, seqs: int, drafting: int, seconds: float) -> None:
+        x = np.array([1.0, rows, seqs, drafting])  # [4]
+        self._gram = DECAY * self._gram + np.outer(x, x)
+        self._moment = DECAY * self._moment + x * seconds
+        self.num_steps += 1
+
+    def fit(self) -> StepCost | None:
+        """The current estimate (terms clipped at 0), or None before MIN_STEPS steps."""
+        if self.num_steps < MIN_STEPS:
+            return None
+        # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
+        terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
+        return StepCost(*np.maximum(terms, 0.0).tolist())
