@@ -14,10 +14,12 @@
 //
 // Partitions are folded left to right. With gridDim.z == 1 a CTA folds all its row's partitions
 // itself. With gridDim.z == the most partitions a row can have (flash-decoding: few rows, long
-// contexts) CTA z computes partition z only, writes its state to partial_*, and
-// paged_attention_merge folds the states. Both paths do the same arithmetic in the same order (the
-// merges use no fused multiply-adds), so a row's output depends on that row alone: not on the other
-// rows, on their number, or on the path the wrapper picked.
+// contexts) CTA z computes partition z only and writes its state to partial_*; the CTA that finishes
+// last among a row's partitions (a counter in `arrivals`, which it resets to zero) folds the states.
+// Both paths do the same arithmetic in the same order (the merges use no fused multiply-adds), so a
+// row's output depends on that row alone: not on the other rows, on their number, or on the path the
+// wrapper picked. A split launch first prefetches its partition's K/V into L2, so that its warps wait
+// for memory about once rather than once per tile.
 
 #include <cuda_fp16.h>
 
@@ -33,6 +35,10 @@ __device__ __forceinline__ float exp2_approx(float x) {  // 2^x, with 2^-inf = 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* pointer) {
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(pointer));
 }
 
 __device__ __forceinline__ float half_at(uint4 raw, int i) {  // the i-th of 8 packed halves
@@ -77,6 +83,7 @@ __device__ __forceinline__ void attend(
     half* __restrict__ out,                      // [T, Hq, D]
     float* __restrict__ partial_acc,             // [T, Hq, gridDim.z, D] when gridDim.z > 1
     float2* __restrict__ partial_stats,          // [T, Hq, gridDim.z] (max, sum) when gridDim.z > 1
+    int* __restrict__ arrivals,                  // [T, gridDim.y] zeros when gridDim.z > 1, left zero
     int num_heads, int num_kv_heads, int head_dim, int log2_block_size, int max_blocks, float scale) {
   constexpr int LANES = DP / 8;                // lanes per K/V row, 8 dims each
   constexpr int STEP = WARP / LANES;           // positions a warp reads at once
@@ -87,6 +94,7 @@ __device__ __forceinline__ void attend(
   __shared__ float acc_s[NUM_WARPS][HEADS][DP];                       // the warps' partition states
   __shared__ float max_s[NUM_WARPS][HEADS], sum_s[NUM_WARPS][HEADS];
   __shared__ float run_s[3][HEADS * DP];  // the fold over partitions (max, sum, acc) per element
+  __shared__ bool last_s;                  // split: this CTA is the row's last to finish
 
   const int row = gridDim.x - 1 - blockIdx.x;  // the longest rows of a prefill chunk start first
   const int last = positions[row];
@@ -118,6 +126,21 @@ __device__ __forceinline__ void attend(
     for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += NUM_THREADS)
       blocks_s[i] = table[first_block + i];
     __syncthreads();
+    auto kv_at = [&](int offset, int dim) {  // element `dim` of the K/V row at `offset` in the partition
+      const int pos = start + offset;
+      const size_t slot = ((size_t)blocks_s[(pos >> log2_block_size) - first_block] << log2_block_size) +
+                          (pos & ((1 << log2_block_size) - 1));
+      return (slot * num_kv_heads + kv_head) * head_dim + dim;
+    };
+    if (split) {  // few rows: the partition's K/V rows into L2 at once, 32-byte sectors over the threads
+      const int sectors = (head_dim + 15) / 16;
+#pragma unroll 1
+      for (int i = threadIdx.x; i < len * sectors; i += NUM_THREADS) {
+        const size_t at = kv_at(i / sectors, i % sectors * 16);
+        prefetch_l2(k_cache + at);
+        prefetch_l2(v_cache + at);
+      }
+    }
 
     float m[HEADS], l[HEADS], acc[HEADS][8];  // this lane group's online softmax, base 2
 #pragma unroll
@@ -135,10 +158,7 @@ __device__ __forceinline__ void attend(
         const int offset = tile * TILE + u * STEP + sub;  // in the partition
         k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
         if (offset < len && dims_ok) {
-          const int pos = start + offset;
-          const size_t slot = ((size_t)blocks_s[(pos >> log2_block_size) - first_block] << log2_block_size) +
-                              (pos & ((1 << log2_block_size) - 1));
-          const size_t at = (slot * num_kv_heads + kv_head) * head_dim + slice * 8;
+          const size_t at = kv_at(offset, slice * 8);
           k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + at));
           v_raw[u] = __ldg(reinterpret_cast<const uint4*>(v_cache + at));
         }
@@ -231,17 +251,47 @@ __device__ __forceinline__ void attend(
     __syncthreads();  // before blocks_s and the warps' states are reused
   }
 
+  // The row's output; or, split over several partitions, this one's state, and the fold of all of
+  // them by the CTA that finishes last.
+  const bool partial = split && num_parts > 1;
 #pragma unroll
   for (int k = 0; k < ELEMS; ++k) {
     const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
     if (e < HEADS * DP && first + h < group && d < head_dim) {
       const size_t head = (size_t)row * num_heads + kv_head * group + first + h;
-      if (split && num_parts > 1) {
+      if (partial) {
         partial_acc[(head * gridDim.z + p_begin) * head_dim + d] = run_s[2][e];
         if (d == 0) partial_stats[head * gridDim.z + p_begin] = make_float2(run_s[0][e], run_s[1][e]);
       } else {
         out[head * head_dim + d] = __float2half_rn(__fdiv_rn(run_s[2][e], run_s[1][e]));
       }
+    }
+  }
+  if (!partial) return;
+  __threadfence();  // this partition's state is visible to the CTA that folds ...
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* arrived = arrivals + (size_t)row * gridDim.y + blockIdx.y;
+    last_s = atomicAdd(arrived, 1) == num_parts - 1;
+    if (last_s) *arrived = 0;  // every partition has arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();  // ... and read by it past L1 (__ldcg)
+#pragma unroll
+  for (int k = 0; k < ELEMS; ++k) {
+    const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
+    if (e < HEADS * DP && first + h < group && d < head_dim) {
+      const size_t head = (size_t)row * num_heads + kv_head * group + first + h;
+      const float2* stats = partial_stats + head * gridDim.z;
+      const float* acc = partial_acc + head * gridDim.z * head_dim + d;
+      float2 st = __ldcg(stats);
+      float m = st.x, sum = st.y, a = __ldcg(acc);
+      for (int p = 1; p < num_parts; ++p) {
+        st = __ldcg(stats + p);
+        fold(m, sum, a, st.x, st.y, __ldcg(acc + (size_t)p * head_dim));
+      }
+      out[head * head_dim + d] = __float2half_rn(__fdiv_rn(a, sum));
     }
   }
 }
@@ -253,10 +303,11 @@ __device__ __forceinline__ void attend(
       const half* __restrict__ q, const half* __restrict__ k_cache, const half* __restrict__ v_cache,       \
       const int* __restrict__ block_tables, const int* __restrict__ batch_id_per_token,                     \
       const int* __restrict__ positions, half* __restrict__ out, float* __restrict__ partial_acc,            \
-      float2* __restrict__ partial_stats, int num_heads, int num_kv_heads, int head_dim, int log2_block_size, \
-      int max_blocks, float scale) {                                                                        \
+      float2* __restrict__ partial_stats, int* __restrict__ arrivals, int num_heads, int num_kv_heads,       \
+      int head_dim, int log2_block_size, int max_blocks, float scale) {                                     \
     attend<DP, HEADS>(q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out, partial_acc,   \
-                      partial_stats, num_heads, num_kv_heads, head_dim, log2_block_size, max_blocks, scale); \
+                      partial_stats, arrivals, num_heads, num_kv_heads, head_dim, log2_block_size, max_blocks, \
+                      scale);                                                                               \
   }
 
 #define PAGED_ATTENTION_ALL_HEADS(DP, MIN_CTAS_6) \
@@ -270,21 +321,3 @@ __device__ __forceinline__ void attend(
 PAGED_ATTENTION_ALL_HEADS(32, 2)
 PAGED_ATTENTION_ALL_HEADS(64, 3)
 PAGED_ATTENTION_ALL_HEADS(128, 3)
-
-// Folds the partition states of split rows left to right. Grid (T, Hq), head_dim threads.
-extern "C" __global__ void __launch_bounds__(128) paged_attention_merge(
-    const float* __restrict__ partial_acc,      // [T, Hq, P, D]
-    const float2* __restrict__ partial_stats,   // [T, Hq, P] (max, sum)
-    const int* __restrict__ positions,          // [T]
-    half* __restrict__ out,                     // [T, Hq, D]
-    int num_heads, int head_dim, int num_partitions) {
-  const int row = blockIdx.x, d = threadIdx.x;
-  const int num_parts = positions[row] / PARTITION + 1;
-  if (num_parts == 1) return;  // the attention kernel wrote this row
-  const size_t head = (size_t)row * num_heads + blockIdx.y;
-  const float2* stats = partial_stats + head * num_partitions;
-  const float* acc = partial_acc + head * num_partitions * head_dim + d;
-  float m = stats[0].x, s = stats[0].y, a = acc[0];
-  for (int p = 1; p < num_parts; ++p) fold(m, s, a, stats[p].x, stats[p].y, acc[(size_t)p * head_dim]);
-  out[head * head_dim + d] = __float2half_rn(__fdiv_rn(a, s));
-}

@@ -1,38 +1,27 @@
-// Residual add fused with RMSNorm; twin: add_rms_norm in cupyspec/model/fused.py.
+// RMSNorm of the fp32 residual stream; twin: rms_norm in cupyspec/model/ops.py.
 //
-// One block per token row: residual[t] += delta[t] (fp16, when has_delta), then
-// out[t] = fp16(residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight), all in fp32.
+// One warp per row: out[t] = fp16(residual[t] * inv_rms * weight), inv_rms = warp_inv_rms(residual[t])
+// in fp32, the arithmetic the gemv kernels of gemm.cu use for their RMSNorm prologue.
 
-#include <cuda_fp16.h>
+#include "decoder.cuh"
 
-#define THREADS 256
+#define WARPS 4
 
-extern "C" __global__ void __launch_bounds__(THREADS) add_rms_norm(
-    float* __restrict__ residual,        // [T, H] fp32, updated in place
-    const half* __restrict__ delta,      // [T, H] fp16; read only when has_delta
+extern "C" __global__ void __launch_bounds__(WARPS * 32) rms_norm(
+    const float* __restrict__ residual,  // [T, H] fp32, H % 4 == 0
     const float* __restrict__ weight,    // [H]
     half* __restrict__ out,              // [T, H]
-    int has_delta, int hidden, float eps)
+    int num_tokens, int hidden, float eps)  // grid: ceil(T / 4) blocks of 128 threads
 {
-    __shared__ float warp_sums[THREADS / 32];
-    const long long row = (long long)blockIdx.x * hidden;
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += THREADS) {
-        float value = residual[row + i];
-        if (has_delta) value = __fadd_rn(value, __half2float(delta[row + i]));
-        residual[row + i] = value;
-        sum += value * value;
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= num_tokens) return;
+    const float* x = residual + (long long)row * hidden;
+    const float inv_rms = warp_inv_rms(x, hidden, eps);
+    half2* y = reinterpret_cast<half2*>(out + (long long)row * hidden);
+    for (int c = threadIdx.x & 31; c < hidden / 4; c += 32) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(x) + c);
+        const float4 w = __ldg(reinterpret_cast<const float4*>(weight) + c);
+        y[2 * c] = __halves2half2(normed(v.x, inv_rms, w.x), normed(v.y, inv_rms, w.y));
+        y[2 * c + 1] = __halves2half2(normed(v.z, inv_rms, w.z), normed(v.w, inv_rms, w.w));
     }
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffff, sum, offset);
-    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        sum = threadIdx.x < THREADS / 32 ? warp_sums[threadIdx.x] : 0.0f;
-        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffff, sum, offset);
-        if (threadIdx.x == 0) warp_sums[0] = sum;
-    }
-    __syncthreads();
-    const float inv_rms = 1.0f / sqrtf(warp_sums[0] / hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += THREADS)
-        out[row + i] = __float2half(__fmul_rn(__fmul_rn(residual[row + i], inv_rms), weight[i]));
 }

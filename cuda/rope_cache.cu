@@ -1,20 +1,22 @@
 // Rotate-half RoPE on q and k fused with the paged KV-cache write; twin: rope_and_cache in
 // cupyspec/model/fused.py. One thread per (token, head, pair i < D/2) of the q, k and v heads:
 //   q, k: (x_i, x_{i+D/2}) -> (x_i c - x_{i+D/2} s, x_{i+D/2} c + x_i s) in fp32, rounded to fp16;
-//   k (roped) and v go to their cache slot, q (roped) to q_out.
+//   k (roped) and v go to their cache slot, q (roped) to q_out (RopeCache in decoder.cuh).
 
-#include <cuda_fp16.h>
+#include "decoder.cuh"
 
 extern "C" __global__ void rope_cache(
     const half* __restrict__ qkv,        // [T, (Hq + 2 Hkv) D]
-    const float* __restrict__ cos,       // [T, D/2]
-    const float* __restrict__ sin,       // [T, D/2]
+    const float* __restrict__ cos,       // [P, D/2] by position
+    const float* __restrict__ sin,       // [P, D/2]
+    const int* __restrict__ positions,   // [T]
     const int* __restrict__ slots,       // [T] block * block_size + offset
     half* __restrict__ q_out,            // [T, Hq, D]
     half* __restrict__ k_cache,          // [slots, Hkv, D] this layer's
     half* __restrict__ v_cache,          // [slots, Hkv, D]
     int num_tokens, int num_heads, int num_kv_heads, int head_dim)
 {
+    const RopeCache rope{cos, sin, positions, slots, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim};
     const int half_dim = head_dim / 2, heads = num_heads + 2 * num_kv_heads;
     const long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (index >= (long long)num_tokens * heads * half_dim) return;
@@ -22,18 +24,5 @@ extern "C" __global__ void rope_cache(
     const int head = (index / half_dim) % heads;
     const long long t = index / ((long long)half_dim * heads);
     const half* x = qkv + (t * heads + head) * head_dim;
-    if (head >= num_heads + num_kv_heads) {  // v: copied as it is
-        half* dst = v_cache + ((long long)slots[t] * num_kv_heads + head - num_heads - num_kv_heads) * head_dim;
-        dst[i] = x[i];
-        dst[i + half_dim] = x[i + half_dim];
-        return;
-    }
-    const float x1 = __half2float(x[i]), x2 = __half2float(x[i + half_dim]);
-    const float c = cos[t * half_dim + i], s = sin[t * half_dim + i];
-    const half lo = __float2half(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    const half hi = __float2half(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
-    half* dst = head < num_heads ? q_out + (t * num_heads + head) * head_dim
-                                 : k_cache + ((long long)slots[t] * num_kv_heads + head - num_heads) * head_dim;
-    dst[i] = lo;
-    dst[i + half_dim] = hi;
+    rope.store(t, head, i, __half2float(x[i]), __half2float(x[i + half_dim]));
 }

@@ -1,7 +1,7 @@
 // SwiGLU; twin: silu_mul in cupyspec/model/ops.py.
 // out[t, j] = fp16(silu(gate) * up) in fp32, gate = gate_up[t, j], up = gate_up[t, F + j].
 
-#include <cuda_fp16.h>
+#include "decoder.cuh"
 
 extern "C" __global__ void swiglu(
     const half* __restrict__ gate_up,    // [T, 2F]
@@ -12,6 +12,6 @@ extern "C" __global__ void swiglu(
     if (index >= num_tokens * width) return;
     const long long t = index / width;
     const int j = index % width;
-    const float gate = __half2float(gate_up[t * 2 * width + j]), up = __half2float(gate_up[t * 2 * width + width + j]);
-    out[index] = __float2half(__fmul_rn(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))), up));
+    out[index] = __float2half(silu_mul(__half2float(gate_up[t * 2 * width + j]),
+                                       __half2float(gate_up[t * 2 * width + width + j])));
 }

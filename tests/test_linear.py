@@ -1,4 +1,5 @@
-"""The matrix-product kernels of cuda/gemm.cu against float64 products, padded batches, and the twin."""
+"""The matrix-product kernels of cuda/gemm.cu against float64 products, padded batches, and the twin;
+products added to the residual stream."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from cupyspec.model import linear as linear_module
-from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, linear
+from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 
 gpu = pytest.mark.gpu
 
@@ -43,6 +44,10 @@ def test_twin_is_the_plain_product() -> None:
     out = np.empty((5, 7), np.float32)
     assert linear(np, x, w, out=out) is out
     np.testing.assert_array_equal(out, x @ w.T)
+    residual = rng.standard_normal((5, 7)).astype(np.float32)
+    want = residual + x @ w.T
+    add_linear(np, residual, x, w)
+    np.testing.assert_array_equal(residual, want)
 
 
 @gpu
@@ -108,3 +113,17 @@ def test_kernels_run_in_a_cuda_graph(rows: int) -> None:
     graph.launch(stream=stream)
     stream.synchronize()
     cupy.testing.assert_array_equal(out, want)
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (131, 200)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 300, 512, 600])
+def test_add_linear_adds_the_rounded_product(rows: int, n: int, k: int) -> None:
+    """The epilogue adds the fp16 product that linear returns, in fp32: the same bits."""
+    import cupy
+
+    x, w = _normal((rows, k), seed=rows), _weights(n, k)
+    residual = cupy.random.default_rng(rows).standard_normal((rows, n), dtype=np.float32)
+    want = residual + linear(cupy, x, w).astype(np.float32)
+    add_linear(cupy, residual, x, w)
+    cupy.testing.assert_array_equal(residual, want)

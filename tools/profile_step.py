@@ -6,7 +6,7 @@ Builds synthetic decode (query length 1) and verify (query length k + 1) steps o
 model and KV cache, and times the forward pass with the logits of every row, eager and replayed as
 a CUDA graph, then greedy sampling, each with CUDA events (device time) and the host clock (the
 time Python needs to launch it). A phase whose host time exceeds its device time is launch-bound.
-With --kernels, each kernel of one decoder layer is timed on its own from a CUDA graph.
+With --kernels, each step of one decoder layer is timed on its own from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from cupyspec.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.attention import paged_attention_cuda
-from cupyspec.model.fused import add_rms_norm, rope_and_cache, swiglu
-from cupyspec.model.linear import KERNEL_MAX_ROWS, linear
+from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, rope_and_cache, swiglu
+from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
 
@@ -64,34 +64,40 @@ def graphed_us(xp: Any, fn: Callable[[], Any], repeats: int) -> float:
 
 
 def layer_kernels(engine: AsyncEngine, flat: FlatBatch, repeats: int) -> dict[str, float]:
-    """Device microseconds of each kernel of one decoder layer on `flat`, and of the LM head."""
+    """Device microseconds of each step of one decoder layer on `flat` as the forward pass runs it, of
+    the final norm and of the LM head. Up to GEMV_MAX_ROWS rows a step is one kernel; above, the norm_*
+    steps are a norm, a product and an epilogue kernel, which are also timed on their own."""
     runner, xp, dt = engine.runner, engine.backend.xp, engine.backend.dtype
     model, kv, c = runner.model, runner.kv, runner.model.config
-    w, eps = model.layers[0], c.rms_norm_eps
+    w, eps, rows = model.layers[0], c.rms_norm_eps, flat.num_tokens
     batch = DeviceBatch.of(xp, flat)
-    residual = xp.ones((flat.num_tokens, c.hidden_size), np.float32)  # [T, H]
-    x = add_rms_norm(xp, residual, None, w.input_norm, eps, dt)  # [T, H]
-    qkv = linear(xp, x, w.qkv)
-    cos, sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
-    q = rope_and_cache(xp, qkv, cos, sin, batch.slot_mapping, kv.k[0], kv.v[0], c.num_heads, c.num_kv_heads)
+    rope = (model.rope_cos, model.rope_sin, batch.positions, batch.slot_mapping, kv.k[0], kv.v[0])
+    residual = xp.ones((rows, c.hidden_size), np.float32)  # [T, H]
+    q = norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, *rope)  # [T, Hq, D]
     attn = paged_attention_cuda(q, kv.k[0], kv.v[0], batch.block_tables, batch.batch_id_per_token, batch.positions,
-                                c.head_dim ** -0.5).reshape(flat.num_tokens, -1)  # [T, Hq D]
-    gate_up = linear(xp, x, w.gate_up)
-    act = swiglu(xp, gate_up)
-    kernels = {
-        "add_rms_norm": lambda: add_rms_norm(xp, residual, x, w.input_norm, eps, dt),
-        "qkv": lambda: linear(xp, x, w.qkv),
-        "rope_and_cache": lambda: rope_and_cache(xp, qkv, cos, sin, batch.slot_mapping, kv.k[0], kv.v[0],
-                                                 c.num_heads, c.num_kv_heads),
+                                c.head_dim ** -0.5).reshape(rows, -1)  # [T, Hq D]
+    act = norm_gate_up_swiglu(xp, residual, w.post_norm, eps, w.gate_up)  # [T, F]
+    x = rms_norm(xp, residual, w.input_norm, eps, dt)  # [T, H]
+    steps = {
+        "norm_qkv_rope": lambda: norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, *rope),
         "attention": lambda: paged_attention_cuda(q, kv.k[0], kv.v[0], batch.block_tables, batch.batch_id_per_token,
                                                   batch.positions, c.head_dim ** -0.5),
-        "o": lambda: linear(xp, attn, w.o),
-        "gate_up": lambda: linear(xp, x, w.gate_up),
-        "swiglu": lambda: swiglu(xp, gate_up),
-        "down": lambda: linear(xp, act, w.down),
+        "o_add": lambda: add_linear(xp, residual, attn, w.o),
+        "norm_gate_up_swiglu": lambda: norm_gate_up_swiglu(xp, residual, w.post_norm, eps, w.gate_up),
+        "down_add": lambda: add_linear(xp, residual, act, w.down),
+        "final_norm": lambda: rms_norm(xp, residual, model.final_norm, eps, dt),
         "lm_head": lambda: model.compute_logits(x),
     }
-    return {f"{name}_us": graphed_us(xp, fn, repeats) for name, fn in kernels.items()}
+    if rows > GEMV_MAX_ROWS:
+        qkv, gate_up = linear(xp, x, w.qkv), linear(xp, x, w.gate_up)
+        steps |= {
+            "rms_norm": lambda: rms_norm(xp, residual, w.input_norm, eps, dt),
+            "qkv": lambda: linear(xp, x, w.qkv),
+            "rope_and_cache": lambda: rope_and_cache(xp, qkv, *rope),
+            "gate_up": lambda: linear(xp, x, w.gate_up),
+            "swiglu": lambda: swiglu(xp, gate_up),
+        }
+    return {f"{name}_us": graphed_us(xp, fn, repeats) for name, fn in steps.items()}
 
 
 def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repeats: int, kernels: bool) -> dict:

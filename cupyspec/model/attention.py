@@ -8,6 +8,7 @@ decode tokens mix freely in one call.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -63,12 +64,12 @@ def paged_attention_cuda(
     positions: Any,  # [T] int32 (device)
     scale: float,
 ) -> Any:  # [T, Hq, D] fp16
-    """The kernels of cuda/paged_attention.cu (same semantics as the twin).
+    """The kernel of cuda/paged_attention.cu (same semantics as the twin).
 
     One CTA per (row, KV head, chunk of its query heads) folds the row's partitions of PARTITION
     positions. When the rows alone would underfill the GPU, the grid also spans the most partitions
-    a row of block_tables can have (flash-decoding) and a merge kernel folds them; both paths give a
-    row the same bits, so the grid depends on T and the shapes only, never on the data.
+    a row of block_tables can have (flash-decoding), and the last CTA of a row to finish folds them;
+    both paths give a row the same bits, so the grid depends on T and the shapes only, never on the data.
     """
     import cupy
 
@@ -90,12 +91,21 @@ def paged_attention_cuda(
     partial_stats = cupy.empty((num_tokens, num_heads, parts, 2), dtype=cupy.float32)  # [T, Hq, P, (max, sum)]
     out = cupy.empty_like(q)  # [T, Hq, D]
     kernel = load_kernel("paged_attention", f"paged_attention_d{padded_dim}_h{heads}")
+    arrivals = _arrivals(q.device.id, cupy.cuda.get_current_stream().ptr)
     kernel((num_tokens, num_kv_heads * chunks, max(parts, 1)), (THREADS,),
-           (q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out,
-            partial_acc, partial_stats, np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+           (q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out, partial_acc, partial_stats,
+            arrivals, np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
             np.int32(block_size.bit_length() - 1), np.int32(block_tables.shape[1]), np.float32(scale)))
-    if split:
-        merge = load_kernel("paged_attention", "paged_attention_merge")
-        merge((num_tokens, num_heads), (head_dim,),
-              (partial_acc, partial_stats, positions, out, np.int32(num_heads), np.int32(head_dim), np.int32(parts)))
     return out
+
+
+@functools.cache
+def _arrivals(device: int, stream: int) -> Any:
+    """int32 zeros [SPLIT_BELOW_CTAS], one per (row, CTA column) of a split launch on this stream: how
+    many of the row's partitions have finished; the last CTA resets its counter, so they stay zero
+    between launches (and a CUDA graph can replay the launches that captured them)."""
+    import cupy
+
+    if cupy.cuda.get_current_stream().is_capturing():  # the zeros would come with the graph's first replay
+        raise RuntimeError("run paged_attention_cuda on a stream before capturing it in a CUDA graph")
+    return cupy.zeros(SPLIT_BELOW_CTAS, dtype=np.int32)

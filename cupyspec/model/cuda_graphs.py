@@ -7,9 +7,9 @@ owns); the logits of every row land in one static buffer. Python then launches o
 of some 300 kernels.
 
 Every kernel of the forward pass computes a row the same way whatever else is in the batch, and
-the matrix-product kernel family depends on the row count only through buckets that the graph
-boundaries respect (`linear.GEMV_MAX_ROWS` is a bucket), so a graphed step returns the logits the
-eager step returns, bit for bit.
+the matrix-product kernel family (gemv, with its fused norm, SwiGLU and RoPE steps, or tiles) depends
+on the row count only through buckets that the graph boundaries respect (`linear.GEMV_MAX_ROWS` is a
+bucket), so a graphed step returns the logits the eager step returns, bit for bit.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ tensor-core tiles up to KERNEL_MAX_ROWS rows; above that (prefill, never capture
 a kernel family a row's result depends on that row and the weights only, never on the batch it is
 in or the tile shape picked for it, so batches padded to fixed sizes give bit-identical rows.
 Products with fp32 output (the logits) always take the tiles, so a row's logits are the same
-whether they come with every row of a step or with the few rows that sample.
+whether they come with every row of a step or with the few rows that sample. Products into the
+residual stream (`add_linear`) add in the kernels' epilogue; cupyspec/model/fused.py runs the gemv
+kernels that fuse RMSNorm, SwiGLU and RoPE around a product.
 """
 
 from __future__ import annotations
@@ -83,6 +85,33 @@ def _aligned(xp: Any, a: Any) -> Any:
     return a.copy() if a.data.ptr % 16 else a
 
 
+def _kernels_take(xp: Any, x: Any, w: Any) -> bool:
+    """Whether cuda/gemm.cu runs x [M, K] @ w[N, K].T: CuPy fp16, K % 8 == 0, M <= KERNEL_MAX_ROWS."""
+    return (xp is not np and x.dtype == np.float16 and w.dtype == np.float16 and x.shape[1] % 8 == 0
+            and x.shape[0] <= KERNEL_MAX_ROWS)
+
+
+def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
+    """x [M, K] @ w[N, K].T into target [M, N] on cuda/gemm.cu: stored as fp16 ("f16") or fp32 ("f32"),
+    or added to it in fp32 after rounding to fp16 ("add"); the gemv up to GEMV_MAX_ROWS rows (never
+    for "f32"), else the tiles."""
+    m, k = x.shape
+    n = w.shape[0]
+    if not (m and n):
+        return
+    if target.data.ptr % (2 * target.dtype.itemsize):  # the tiles store pairs of columns
+        raise ValueError("the output must start at an even element")
+    x, w = _aligned(xp, x), _aligned(xp, w)
+    device = x.device.id
+    args = (x, w, target, np.int32(m), np.int32(n), np.int32(k))
+    if m <= GEMV_MAX_ROWS and epilogue != "f32":
+        _kernel(f"gemv_{epilogue}", 0, device)((-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
+    else:
+        tile = _pick_tile(m, n, _sm_count(device))
+        _kernel(f"{tile.function}_{epilogue}", tile.shared_bytes, device)(
+            (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), args, shared_mem=tile.shared_bytes)
+
+
 def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = None) -> Any:
     """x [M, K] @ w[N, K].T -> [M, N] in out_dtype (default x.dtype), written into `out` when given.
 
@@ -91,12 +120,10 @@ def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = Non
     copied on every call); `out`, C-contiguous [M, N] of out_dtype.
     """
     out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
-    m, k = x.shape
-    n = w.shape[0]
+    m, n = x.shape[0], w.shape[0]
     if out is not None and (out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous [{m}, {n}] {out_dtype} array, not {out.shape} {out.dtype}")
-    if not (xp is not np and x.dtype == np.float16 and w.dtype == np.float16 and k % 8 == 0
-            and out_dtype in (np.float16, np.float32) and m <= KERNEL_MAX_ROWS):
+    if not (_kernels_take(xp, x, w) and out_dtype in (np.float16, np.float32)):
         result = (x @ w.T).astype(out_dtype, copy=False)  # [M, N]; cuBLAS for CuPy
         if out is None:
             return result
@@ -104,17 +131,29 @@ def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = Non
         return out
     if out is None:
         out = xp.empty((m, n), dtype=out_dtype)  # [M, N]
-    elif out.data.ptr % (2 * out_dtype.itemsize):  # the kernels store pairs of columns
-        raise ValueError("out must start at an even element")
-    if m and n:
-        x, w = _aligned(xp, x), _aligned(xp, w)
-        suffix = "f16" if out_dtype == np.float16 else "f32"
-        device = x.device.id
-        args = (x, w, out, np.int32(m), np.int32(n), np.int32(k))
-        if m <= GEMV_MAX_ROWS and out_dtype == np.float16:
-            _kernel("gemv_f16", 0, device)((-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
-        else:
-            tile = _pick_tile(m, n, _sm_count(device))
-            _kernel(f"{tile.function}_{suffix}", tile.shared_bytes, device)(
-                (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), args, shared_mem=tile.shared_bytes)
+    _product(xp, x, w, out, "f16" if out_dtype == np.float16 else "f32")
     return out
+
+
+def add_linear(xp: Any, residual: Any, x: Any, w: Any) -> None:
+    """residual [M, N] fp32 += x [M, K] @ w[N, K].T rounded to x's dtype, in place (C-contiguous).
+
+    Where cuda/gemm.cu takes the product, its epilogue adds; elsewhere the product is added (the twin).
+    """
+    if residual.shape != (x.shape[0], w.shape[0]) or residual.dtype != np.float32 or not residual.flags.c_contiguous:
+        raise ValueError(f"residual must be a C-contiguous [{x.shape[0]}, {w.shape[0]}] float32 array")
+    if _kernels_take(xp, x, w):
+        _product(xp, x, w, residual, "add")
+    else:
+        residual += (x @ w.T).astype(x.dtype, copy=False)
+
+
+def gemv_takes(xp: Any, rows: int, w: Any) -> bool:
+    """Whether the gemv kernels of cuda/gemm.cu run products of `rows` rows with w [N, K]: CuPy fp16,
+    K % 8 == 0, rows <= GEMV_MAX_ROWS (the fused ones of cupyspec/model/fused.py among them)."""
+    return xp is not np and w.dtype == np.float16 and w.shape[1] % 8 == 0 and rows <= GEMV_MAX_ROWS
+
+
+def launch_gemv(function: str, w: Any, args: tuple) -> None:
+    """The gemv kernel `function` of cuda/gemm.cu over the rows of w [N, K]: ceil(N / 16) blocks."""
+    _kernel(function, 0, w.device.id)((-(-w.shape[0] // GEMV_ROWS),), (GEMV_THREADS,), args)

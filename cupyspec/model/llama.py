@@ -11,9 +11,9 @@ from cupyspec.backend import Backend
 from cupyspec.batch import DeviceBatch
 from cupyspec.config import ModelConfig
 from cupyspec.model.attention import paged_attention, paged_attention_cuda
+from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
-from cupyspec.model.fused import add_rms_norm, rope_and_cache, swiglu
-from cupyspec.model.linear import linear
+from cupyspec.model.linear import add_linear, linear
 from cupyspec.model.ops import rope_tables
 
 
@@ -72,22 +72,17 @@ class LlamaModel:
         """
         xp, dt, c = self.backend.xp, self.backend.dtype, self.config
         num_tokens = batch.num_tokens
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]  # [T, D/2] each
         q_width = c.num_heads * c.head_dim
         scale = 1.0 / float(np.sqrt(c.head_dim))
-        residual = self.embed[batch.input_ids].astype(np.float32)  # [T, H] fp32 residual stream
         eps = c.rms_norm_eps
-        pending = None  # [T, H]: the last block's output, added to the residual by the next norm
+        residual = self.embed[batch.input_ids].astype(np.float32)  # [T, H] fp32 residual stream
         for i, w in enumerate(self.layers):
-            x = add_rms_norm(xp, residual, pending, w.input_norm, eps, dt)  # [T, H]
-            qkv = linear(xp, x, w.qkv)  # [T, (Hq + 2 Hkv) D]
-            if w.qkv_bias is not None:
-                qkv = (qkv.astype(np.float32) + w.qkv_bias).astype(dt)
-            q = rope_and_cache(xp, qkv, cos, sin, batch.slot_mapping, kv.k[i], kv.v[i], c.num_heads, c.num_kv_heads)
+            q = norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, self.rope_cos, self.rope_sin,
+                              batch.positions, batch.slot_mapping, kv.k[i], kv.v[i])  # [T, Hq, D]
             attn = self._attention(q, kv.k[i], kv.v[i], batch, scale)  # [T, Hq, D]
-            x = add_rms_norm(xp, residual, linear(xp, attn.reshape(num_tokens, q_width), w.o), w.post_norm, eps, dt)
-            pending = linear(xp, swiglu(xp, linear(xp, x, w.gate_up)), w.down)  # [T, H]
-        return add_rms_norm(xp, residual, pending, self.final_norm, eps, dt)
+            add_linear(xp, residual, attn.reshape(num_tokens, q_width), w.o)
+            add_linear(xp, residual, norm_gate_up_swiglu(xp, residual, w.post_norm, eps, w.gate_up), w.down)
+        return rms_norm(xp, residual, self.final_norm, eps, dt)
 
     def _attention(self, q: Any, k_cache: Any, v_cache: Any, batch: DeviceBatch, scale: float) -> Any:
         """Paged attention of q [T, Hq, D]: the CUDA kernel on a GPU, else its twin."""
