@@ -65,24 +65,45 @@ class DeviceBatch:
 
 
 def build_flat_batch(segments: Sequence[Segment], block_size: int) -> FlatBatch:
-    lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int32)  # [B]
-    if len(segments) == 0 or lengths.min() < 1:
+    return flat_batch([t for s in segments for t in s.token_ids], [len(s.token_ids) for s in segments],
+                      [s.start_position for s in segments], [s.block_ids for s in segments], block_size)
+
+
+def flat_batch(token_ids: Sequence[int], lengths: Sequence[int], starts: Sequence[int],
+               block_ids: Sequence[Sequence[int]], block_size: int) -> FlatBatch:
+    """The batch of segments given column-wise: all their tokens concatenated, and per segment its
+    length, start position and KV blocks."""
+    if not lengths or min(lengths) < 1:
         raise ValueError("a batch needs at least one segment, each with at least one token")
-    num_blocks = np.array([len(s.block_ids) for s in segments], dtype=np.int32)  # [B]
-    cu_seqlens_q = np.zeros(len(segments) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu_seqlens_q[1:])
-    starts = np.array([s.start_position for s in segments], dtype=np.int32)  # [B]
-    batch_id_per_token = np.repeat(np.arange(len(segments), dtype=np.int32), lengths)  # [T]
-    positions = (np.arange(cu_seqlens_q[-1], dtype=np.int32) - cu_seqlens_q[batch_id_per_token]
-                 + starts[batch_id_per_token])  # [T]
-    seq_lens_kv = starts + lengths
-    if np.any(-(-seq_lens_kv // block_size) > num_blocks):
+    num_seqs = len(lengths)
+    starts_arr = np.array(starts, dtype=np.int32)  # [B]
+    if len(token_ids) == num_seqs:  # one token each (decoding): no ragged bookkeeping
+        cu_seqlens_q = np.arange(num_seqs + 1, dtype=np.int32)
+        batch_id_per_token = np.arange(num_seqs, dtype=np.int32)
+        positions = starts_arr
+        seq_lens_kv = starts_arr + 1
+    else:
+        lengths_arr = np.array(lengths, dtype=np.int32)
+        cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(lengths_arr, out=cu_seqlens_q[1:])
+        batch_id_per_token = np.repeat(np.arange(num_seqs, dtype=np.int32), lengths_arr)  # [T]
+        positions = (np.arange(cu_seqlens_q[-1], dtype=np.int32) - cu_seqlens_q[batch_id_per_token]
+                     + starts_arr[batch_id_per_token])  # [T]
+        seq_lens_kv = starts_arr + lengths_arr
+    block_tables, num_blocks = _block_tables(block_ids)
+    if (seq_lens_kv > num_blocks * block_size).any():
         raise ValueError("a segment writes past its KV blocks")
-    block_tables = np.zeros((len(segments), num_blocks.max()), dtype=np.int32)
-    owner = np.repeat(np.arange(len(segments)), num_blocks)  # [sum blocks]: the segment of each block
-    column = np.arange(len(owner)) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
-    block_tables[owner, column] = list(itertools.chain.from_iterable(s.block_ids for s in segments))
     slot_mapping = (block_tables[batch_id_per_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    input_ids = np.array(list(itertools.chain.from_iterable(s.token_ids for s in segments)), dtype=np.int32)
+    input_ids = np.array(token_ids, dtype=np.int32)
     return FlatBatch(input_ids, positions, batch_id_per_token, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping)
+
+
+def _block_tables(block_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """[B, max_blocks] int32, each row a segment's blocks padded with 0; and [B] int32 the block counts."""
+    counts = [len(b) for b in block_ids]
+    num_blocks = np.array(counts, dtype=np.int32)
+    table = np.zeros((len(counts), max(counts)), dtype=np.int32)
+    table[np.arange(table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_ids), dtype=np.int32, count=sum(counts))
+    return table, num_blocks

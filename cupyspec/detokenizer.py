@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
-from typing import Protocol
+import weakref
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 from cupyspec.sampling.params import SamplingParams
 
@@ -17,14 +18,24 @@ class TokenBytes(Protocol):
     def is_special(self, token_id: int) -> bool: ...
 
 
-@dataclass(frozen=True)
-class DetokenizedDelta:
+class DetokenizedDelta(NamedTuple):
     """The outcome of one add(): new text and whether (and why) the sequence finished."""
 
     text: str  # safe to emit: whole characters, never a possible beginning of a stop string
     num_tokens_accepted: int  # leading tokens of the call that count as output; the rest follow a stop
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: str | int | None = None  # the stop string or stop token id; None for eos and length
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[TokenBytes, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _token_texts(tokenizer: TokenBytes) -> dict[int, str]:
+    """The shared cache of a tokenizer's tokens that decode to whole characters on their own."""
+    try:
+        return _TOKEN_TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: a cache for this detokenizer alone
+        return {}
 
 
 class IncrementalDetokenizer:
@@ -40,14 +51,17 @@ class IncrementalDetokenizer:
         if not isinstance(max_output_tokens, int) or max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be an integer >= 1, got {max_output_tokens!r}")
         self._tokenizer = tokenizer
+        self._texts = _token_texts(tokenizer)
         self._params = params
         self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
-        self._stop_ids = frozenset(params.stop_token_ids)
+        self._ends = self._eos | frozenset(params.stop_token_ids)  # tokens that stop the sequence
+        self._skip_special = params.skip_special_tokens
         self._stops = params.stop
         self._stop_prefixes = frozenset(s[:i] for s in params.stop for i in range(1, len(s)))
         self._longest_prefix = max((len(s) - 1 for s in params.stop), default=0)
         self._max_output_tokens = max_output_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = False  # the decoder holds the first bytes of a character
         self._held = ""  # decoded text not yet emitted: it may begin a stop string
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
@@ -57,35 +71,51 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, token_ids: list[int]) -> DetokenizedDelta:
+    def add(self, token_ids: Sequence[int]) -> DetokenizedDelta:
         """Process new tokens in order, stopping at the first stop condition."""
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError("add() called on a finished sequence")
         pieces: list[str] = []
         for accepted, token in enumerate(token_ids, start=1):
             self.num_output_tokens += 1
-            if token in self._eos:
-                return self._finish(pieces, accepted, "stop", None)
-            if token in self._stop_ids:
-                return self._finish(pieces, accepted, "stop", token)
-            if not (self._params.skip_special_tokens and self._tokenizer.is_special(token)):
-                text = self._decoder.decode(self._tokenizer.token_bytes(token))
-                if text and self._consume(text, pieces):
-                    return DetokenizedDelta("".join(pieces), accepted, self.finish_reason, self.stop_reason)
+            if token in self._ends:
+                return self._finish(pieces, accepted, "stop", None if token in self._eos else token)
+            if not (self._skip_special and self._tokenizer.is_special(token)):
+                text = self._text(token)
+                if self._stops:
+                    if text and self._consume(text, pieces):
+                        return DetokenizedDelta("".join(pieces), accepted, self.finish_reason, self.stop_reason)
+                elif text:
+                    pieces.append(text)
             if self.num_output_tokens >= self._max_output_tokens:
                 return self._finish(pieces, accepted, "length", None)
         return DetokenizedDelta("".join(pieces), len(token_ids))
 
+    def _text(self, token: int) -> str:
+        """The text a token completes: cached for a token of whole characters met between characters."""
+        if not self._partial:
+            text = self._texts.get(token)
+            if text is not None:
+                return text
+        raw = self._tokenizer.token_bytes(token)
+        if not self._partial:
+            try:
+                text = self._texts[token] = raw.decode("utf-8")
+                return text
+            except UnicodeDecodeError:
+                pass
+        text = self._decoder.decode(raw)
+        self._partial = bool(self._decoder.getstate()[0])
+        return text
+
     def flush(self) -> str:
         """The text still held back, for a sequence ended from outside (abort)."""
         text, self._held = self._held + self._decoder.decode(b"", final=True), ""
+        self._partial = False
         return text
 
     def _consume(self, text: str, pieces: list[str]) -> bool:
         """Append decoded text to the held text; emit what is safe. True when a stop string ended it."""
-        if not self._stops:
-            pieces.append(text)
-            return False
         buffer = self._held + text  # the held part holds no whole stop string
         best: tuple[int, int, str] | None = None  # (end, start, stop string) of the first completed
         for stop in self._stops:

@@ -9,13 +9,13 @@ through the speculative path).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupyspec.backend import Backend
-from cupyspec.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
+from cupyspec.batch import DeviceBatch, FlatBatch, flat_batch
 from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
@@ -47,9 +47,8 @@ class StepInputs:
     prompt_owner: tuple[tuple[int, int, int], ...]  # [P]: (scheduled index, target position, top k)
 
 
-@dataclass(frozen=True)
-class SeqStepOutput:
-    """What one scheduled sequence got from the step."""
+class SeqStepOutput(NamedTuple):
+    """What one scheduled sequence got from the step (a tuple: one is made per sequence and step)."""
 
     token_ids: tuple[int, ...] = ()  # emitted tokens; empty for a prefill chunk that ends mid-prompt
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when asked
@@ -74,6 +73,46 @@ def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
             for j in range(len(drafts) + 1)]
 
 
+class _PromptRows:
+    """The rows of a step that score the next prompt token, for prompt logprobs."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+        self.owner: list[tuple[int, int, int]] = []  # (scheduled index, target position, top k)
+
+    def add(self, index: int, seq: Sequence, start: int, num_new: int, first_row: int) -> None:
+        """The rows of a segment of `num_new` tokens from position `start`, its first at `first_row`."""
+        for pos in range(start, min(start + num_new, seq.num_prompt_tokens - 1)):
+            self.rows.append(first_row + pos - start)
+            self.targets.append(seq.prompt_token_ids[pos + 1])
+            self.owner.append((index, pos + 1, seq.params.prompt_logprobs))
+
+
+def _draw_uniforms(sampling: list[SamplingRow], drawn: list[int], keys: list[int], positions: list[int]) -> np.ndarray:
+    """Set the sampling draw of the rows `drawn` (in place); return every row's acceptance draw [R].
+
+    Greedy rows ignore their draws (and a greedy row's acceptance test is 0 < p, p in {0, 1}): 0.
+    """
+    accept_uniforms = np.zeros(len(sampling), dtype=np.float64)
+    if drawn:
+        keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
+        for r, u in zip(drawn, counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM).tolist()):
+            sampling[r] = sampling[r]._replace(uniform=u)
+        accept_uniforms[drawn] = counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM)
+    return accept_uniforms
+
+
+def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
+    """[S, K] int64: each sequence's drafts, PLACEHOLDER_TOKEN_ID past them."""
+    max_drafts = max(map(len, draft_lists), default=0)
+    drafts = np.full((len(draft_lists), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+    if max_drafts:
+        for s, d in enumerate(draft_lists):
+            drafts[s, :len(d)] = d
+    return drafts
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
                  overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0) -> None:
@@ -87,58 +126,48 @@ class ModelRunner:
                        if cuda and cuda_graph_max_tokens else None)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        segments: list[Segment] = []
+        token_ids: list[int] = []
+        lengths, starts, block_ids = [], [], []
         target_rows: list[int] = []
         sampling: list[SamplingRow] = []
         drawn, keys, positions = [], [], []  # rows that draw at random: index, key, position
-        owners, draft_lists, top_logprobs, include_drafts = [], [], [], []
-        prompt_rows, prompt_targets, prompt_owner = [], [], []
+        owners, draft_lists = [], []
+        prompt = _PromptRows()
         row = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
             drafts = seq.draft_token_ids[:item.num_lookahead_tokens]
-            segments.append(Segment(item.token_ids + drafts, start, seq.block_ids))
+            token_ids += seq.tokens(start, start + n)
+            token_ids += drafts
+            lengths.append(n + len(drafts))
+            starts.append(start)
+            block_ids.append(seq.block_ids)
             if seq.needs_prompt_logprobs:
-                for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
-                    prompt_rows.append(row + pos - start)
-                    prompt_targets.append(seq.prompt_token_ids[pos + 1])
-                    prompt_owner.append((i, pos + 1, seq.params.prompt_logprobs))
-            if item.samples:
+                prompt.add(i, seq, start, n, row)
+            if start + n == item.num_tokens_before:  # the segment reaches the last token: it samples
                 owners.append(i)
                 draft_lists.append(drafts)
-                top_logprobs.append(seq.params.logprobs)
-                include_drafts.append(seq.params.include_draft_logprobs)
                 target_rows.extend(range(row + n - 1, row + n + len(drafts)))
                 if not seq.params.greedy:
                     drawn.extend(range(len(sampling), len(sampling) + len(drafts) + 1))
                     keys.extend([seq.sampling_key] * (len(drafts) + 1))
                     positions.extend(range(seq.num_tokens, seq.num_tokens + len(drafts) + 1))
-                sampling.extend(_sampling_rows(seq, drafts))
+                sampling += _sampling_rows(seq, drafts)
             row += n + len(drafts)
-        # Greedy rows ignore their draws (and a greedy row's acceptance test is 0 < p, p in {0, 1}).
-        accept_uniforms = np.zeros(len(sampling), dtype=np.float64)
-        if drawn:
-            keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
-            for r, u in zip(drawn, counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM).tolist()):
-                sampling[r] = replace(sampling[r], uniform=u)
-            accept_uniforms[drawn] = counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM)
-        max_drafts = max((len(d) for d in draft_lists), default=0)
-        drafts_arr = np.full((len(draft_lists), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
-        if max_drafts:
-            for s, d in enumerate(draft_lists):
-                drafts_arr[s, :len(d)] = d
+        params = [sched.scheduled[i].seq.params for i in owners]
+        accept_uniforms = _draw_uniforms(sampling, drawn, keys, positions)
         return StepInputs(
-            batch=build_flat_batch(segments, self.kv.block_size),
-            target_rows=np.asarray(target_rows, dtype=np.int64),
+            batch=flat_batch(token_ids, lengths, starts, block_ids, self.kv.block_size),
+            target_rows=np.array(target_rows, dtype=np.int64),
             sampling=tuple(sampling),
             accept_uniforms=accept_uniforms,
             owners=tuple(owners),
-            drafts=drafts_arr,
+            drafts=_drafts_array(draft_lists),
             num_drafts=np.array([len(d) for d in draft_lists], dtype=np.int64),
-            logprobs=LogprobRequests(tuple(top_logprobs), tuple(include_drafts)),
-            prompt_rows=np.asarray(prompt_rows, dtype=np.int64),
-            prompt_targets=np.asarray(prompt_targets, dtype=np.int64),
-            prompt_owner=tuple(prompt_owner),
+            logprobs=LogprobRequests(tuple(p.logprobs for p in params), tuple(p.include_draft_logprobs for p in params)),
+            prompt_rows=np.array(prompt.rows, dtype=np.int64),
+            prompt_targets=np.array(prompt.targets, dtype=np.int64),
+            prompt_owner=tuple(prompt.owner),
         )
 
     def run(self, inputs: StepInputs) -> list[SeqStepOutput]:
@@ -180,7 +209,7 @@ class ModelRunner:
             per_seq.setdefault(i, []).append(
                 (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
         for i, pairs in per_seq.items():
-            outputs[i] = replace(outputs[i], prompt_logprobs=tuple(pairs))
+            outputs[i] = outputs[i]._replace(prompt_logprobs=tuple(pairs))
 
     def _emit(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
         """Tokens (and their logprobs) of every sampling sequence, from its target rows' logits [R, V]."""

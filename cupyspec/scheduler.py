@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cupyspec.config import SchedulerConfig
 from cupyspec.kv_cache import BlockManager
 from cupyspec.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step, captured when the step was formed."""
+class ScheduledSeq(NamedTuple):
+    """One sequence's share of a step, captured when the step was formed (a tuple: one is made per
+    sequence and step)."""
 
     seq: Sequence
     num_new_tokens: int  # tokens of seq.token_ids computed this step
@@ -181,16 +182,18 @@ class Scheduler:
 
     def _try_schedule(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve KV for the next segment of `seq` within `budget` tokens; None if blocks are short."""
-        if seq.num_uncomputed_tokens < 1:
+        num_tokens = seq.num_tokens
+        num_uncomputed = num_tokens - seq.num_computed_tokens
+        if num_uncomputed < 1:
             raise RuntimeError(f"sequence {seq.seq_id} has no token to compute")
-        num_new = min(seq.num_uncomputed_tokens, budget)
+        num_new = min(num_uncomputed, budget)
         lookahead = 0
-        if num_new == seq.num_uncomputed_tokens:
-            room = min(budget - num_new, self.max_model_len - seq.num_tokens)
+        if num_new == num_uncomputed:
+            room = min(budget - num_new, self.max_model_len - num_tokens)
             lookahead = max(0, min(self.num_lookahead_tokens(seq), room))
         if not self.block_manager.ensure_slots(seq, num_new + lookahead):
             return None
-        return ScheduledSeq(seq, num_new, seq.num_computed_tokens, seq.num_tokens, lookahead)
+        return ScheduledSeq(seq, num_new, seq.num_computed_tokens, num_tokens, lookahead)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the KV of `seq` and put it at the head of the queue; it is recomputed later."""

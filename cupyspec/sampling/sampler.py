@@ -10,7 +10,7 @@ public so that draft verification scores drafts against exactly the distribution
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -19,9 +19,8 @@ from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
 
 
-@dataclass(frozen=True)
-class SamplingRow:
-    """One logits row's parameters and inputs."""
+class SamplingRow(NamedTuple):
+    """One logits row's parameters and inputs (a tuple: one is made per row and step)."""
 
     params: SamplingParams
     uniform: float  # the row's draw in [0, 1) from its request's generator; ignored when greedy
