@@ -86,7 +86,10 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     overlap_logprobs: bool = True  # GPU: logprobs of a speculative step on a second stream, beside verification
     cuda_graphs: bool = True  # GPU: steps of up to 512 rows replay captured CUDA graphs
+    stream_interval: int = 1  # deliver a request's outputs every this many tokens (first and last at once)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, not {self.stream_interval!r}")

@@ -98,7 +98,7 @@ class AsyncEngine:
         proposer = make_proposer(config.speculative)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.metrics = EngineMetrics(self.model_name)
-        self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished)
+        self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished, config.stream_interval)
         self._aborts: set[str] = set()
         self._rng = np.random.default_rng(config.seed)
         self._wake = asyncio.Event()
@@ -138,9 +138,13 @@ class AsyncEngine:
                        speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Bad input raises before the first yield."""
         request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation)
+        channel = request.channel
         try:
             while True:
-                output = await request.queue.get()
+                output = channel.take()
+                if output is None:
+                    await channel.ready()
+                    continue
                 if isinstance(output, BaseException):
                     raise output
                 yield output

@@ -4,21 +4,52 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cupyspec.detokenizer import IncrementalDetokenizer
 from cupyspec.metrics import EngineMetrics
-from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob
+from cupyspec.outputs import (CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob,
+                              merge_deltas)
 from cupyspec.runner import SeqStepOutput
 from cupyspec.scheduler import Scheduler, SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.spec.stats import SpecStats
 
 
+class OutputChannel:
+    """A request's outputs, or the error that ends them, in order, for one awaiting reader.
+
+    Lighter than asyncio.Queue (no size bound, no task accounting, one reader), since the engine
+    puts one output per request and step.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> RequestOutput | BaseException | None:
+        """The next item, or None if there is none yet (then await `ready()`)."""
+        return self._items.popleft() if self._items else None
+
+    def ready(self) -> asyncio.Future:
+        """A future done once an item is put."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+
 @dataclass(eq=False)
 class RequestState:
-    """A request's choices, their detokenizers and the queue its caller reads."""
+    """A request's choices, their detokenizers and the channel its caller reads."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -26,22 +57,39 @@ class RequestState:
     detokenizers: list[IncrementalDetokenizer]
     arrival_time: float
     speculative: bool  # the engine speculates: the final output carries speculate_metrics
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    channel: OutputChannel = field(default_factory=OutputChannel)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
     num_output_tokens: int = 0
+    num_sent_tokens: int = 0  # output tokens delivered to the caller
     prompt_logprobs_sent: bool = False
+    choice_ended: bool = False  # a choice finished since the last delivery
     finished: bool = False
     pending: list[CompletionDelta] = field(default_factory=list)
 
+    @property
+    def all_choices_finished(self) -> bool:
+        for seq in self.seqs:
+            if not seq.is_finished:
+                return False
+        return True
+
 
 class OutputProcessor:
-    """Owns the live requests; the engine loop feeds it each step's results."""
+    """Owns the live requests; the engine loop feeds it each step's results.
+
+    A request's outputs go to its caller every `stream_interval` output tokens (all its choices
+    together), and at once for its first tokens and whenever a choice ends; a delivery holds one
+    delta per choice that moved.
+    """
 
     def __init__(self, scheduler: Scheduler, metrics: EngineMetrics,
-                 on_sequence_finished: Callable[[Sequence], None]) -> None:
+                 on_sequence_finished: Callable[[Sequence], None], stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
         self.scheduler, self.metrics = scheduler, metrics
         self.on_sequence_finished = on_sequence_finished
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
 
     def add(self, request: RequestState) -> None:
@@ -71,48 +119,52 @@ class OutputProcessor:
 
     def fail_all(self, error: BaseException) -> None:
         for request in self.requests.values():
-            request.queue.put_nowait(error)
+            request.channel.put(error)
         self.requests.clear()
 
     def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput]) -> None:
         """Append the emitted tokens, stop where a stop condition says, then advance the scheduler."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        accepted_drafts = []
+        num_generated = 0
         for item, out in zip(sched.scheduled, outputs):
+            if not (out.token_ids or out.prompt_logprobs):  # a prefill chunk: nothing to record
+                continue
             seq = item.seq
             request = self.requests.get(seq.request_id)
-            accepted_drafts.append(max(0, len(out.token_ids) - 1))
             if request is None or seq.is_finished:
                 continue
-            if request.prompt_logprobs is not None:
-                for position, lp in out.prompt_logprobs:
-                    request.prompt_logprobs[position] = lp
+            for position, lp in out.prompt_logprobs:
+                request.prompt_logprobs[position] = lp
             if out.token_ids:
-                self._append(request, seq, out, is_decode=item.num_computed_before >= seq.num_prompt_tokens, now=now)
-                touched[request.request_id] = request
-        self.scheduler.update_after_step(sched, accepted_drafts)
+                num_generated += self._append(request, seq, out, item.num_computed_before >= seq.num_prompt_tokens, now)
+                touched[seq.request_id] = request
+        self.metrics.on_generation_tokens(num_generated)
+        self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in outputs])
         for request in touched.values():
-            self._emit(request)
+            if (request.choice_ended or not request.num_sent_tokens
+                    or request.num_output_tokens - request.num_sent_tokens >= self.stream_interval):
+                self._emit(request)
 
-    def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float) -> None:
-        detok = request.detokenizers[seq.choice_index]
-        delta = detok.add(list(out.token_ids))
+    def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float) -> int:
+        """Add a step's tokens to a choice, up to a stop; the number kept."""
+        delta = request.detokenizers[seq.choice_index].add(out.token_ids)
         kept = out.token_ids[:delta.num_tokens_accepted]  # a stop inside an accepted run cuts it
         seq.output_token_ids.extend(kept)
         if is_decode and request.speculative:
             seq.spec.record(out.accepted, len(kept))
         request.num_output_tokens += len(kept)
-        self.metrics.on_generation_tokens(len(kept))
         if request.first_token_time is None:
             request.first_token_time = now
             self.metrics.observe_ttft(now - request.arrival_time)
-        logprobs = out.logprobs[:len(kept)] if seq.params.logprobs is not None else None
-        drafts = (out.draft_logprobs or ()) if seq.params.include_draft_logprobs else None
+        params = seq.params
+        logprobs = out.logprobs[:len(kept)] if params.logprobs is not None else None
+        drafts = (out.draft_logprobs or ()) if params.include_draft_logprobs else None
         if delta.finish_reason is not None:
             self._close(request, seq, delta.finish_reason, delta.text, kept, logprobs, delta.stop_reason, drafts)
         else:
-            request.pending.append(CompletionDelta(seq.choice_index, delta.text, kept, logprobs, draft_logprobs=drafts))
+            request.pending.append(CompletionDelta(seq.choice_index, delta.text, kept, logprobs, None, None, drafts))
+        return len(kept)
 
     def _close(self, request: RequestState, seq: Sequence, reason: str, text: str, tokens: tuple[int, ...] = (),
                logprobs: tuple[TokenLogprob, ...] | None = None, stop_reason: str | int | None = None,
@@ -121,11 +173,12 @@ class OutputProcessor:
         seq.stop_reason = stop_reason
         request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason,
                                                draft_logprobs))
+        request.choice_ended = True
         self.on_sequence_finished(seq)
 
     def _emit(self, request: RequestState) -> None:
-        """Send the pending deltas of a request as one RequestOutput."""
-        finished = all(seq.is_finished for seq in request.seqs)
+        """Deliver the pending deltas of a request as one RequestOutput."""
+        finished = request.all_choices_finished
         prompt_lps = None
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent and request.pending:
             prompt_lps, request.prompt_logprobs_sent = tuple(request.prompt_logprobs), True
@@ -135,12 +188,12 @@ class OutputProcessor:
             for seq in request.seqs:
                 total.add(seq.spec)
             spec = SpeculateMetrics.from_stats(total)
-        request.queue.put_nowait(RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            deltas=tuple(request.pending), num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=request.num_output_tokens, finished=finished, prompt_logprobs=prompt_lps,
-            speculate_metrics=spec))
+        request.channel.put(RequestOutput(
+            request.request_id, request.prompt_token_ids, merge_deltas(request.pending),
+            len(request.prompt_token_ids), request.num_output_tokens, finished, prompt_lps, spec))
         request.pending = []
+        request.num_sent_tokens = request.num_output_tokens
+        request.choice_ended = False
         if finished:
             request.finished = True
             del self.requests[request.request_id]

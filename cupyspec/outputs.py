@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cupyspec.spec.stats import SpecStats
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,38 @@ class CompletionDelta:
     finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     draft_logprobs: tuple[DraftLogprob, ...] | None = None  # drafts proposed for this delta, when asked for
+
+    def __init__(self, index: int, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
+                 finish_reason: str | None = None, stop_reason: str | int | None = None,
+                 draft_logprobs: tuple[DraftLogprob, ...] | None = None) -> None:
+        # The engine makes one per choice and step: fill the frozen fields directly, three times
+        # faster than the generated __init__ (object.__setattr__ per field).
+        self.__dict__.update(index=index, text=text, token_ids=token_ids, logprobs=logprobs,
+                             finish_reason=finish_reason, stop_reason=stop_reason, draft_logprobs=draft_logprobs)
+
+    @classmethod
+    def concat(cls, parts: Sequence[CompletionDelta]) -> CompletionDelta:
+        """One choice's successive deltas as one: texts, tokens and logprobs joined, the last one's finish."""
+        last = parts[-1]
+        return cls(last.index, "".join(p.text for p in parts), tuple(t for p in parts for t in p.token_ids),
+                   _concat_optional([p.logprobs for p in parts]), last.finish_reason, last.stop_reason,
+                   _concat_optional([p.draft_logprobs for p in parts]))
+
+
+def _concat_optional(parts: list[tuple[T, ...] | None]) -> tuple[T, ...] | None:
+    """The parts joined, skipping None; None when every part is None."""
+    present = [p for p in parts if p is not None]
+    return tuple(itertools.chain.from_iterable(present)) if present else None
+
+
+def merge_deltas(deltas: Sequence[CompletionDelta]) -> tuple[CompletionDelta, ...]:
+    """One delta per choice, in the order the choices first moved; a choice's deltas concatenated."""
+    if len(deltas) == 1 or len({d.index for d in deltas}) == len(deltas):
+        return tuple(deltas)
+    by_choice: dict[int, list[CompletionDelta]] = {}
+    for delta in deltas:
+        by_choice.setdefault(delta.index, []).append(delta)
+    return tuple(parts[0] if len(parts) == 1 else CompletionDelta.concat(parts) for parts in by_choice.values())
 
 
 @dataclass(frozen=True)
@@ -67,3 +104,12 @@ class RequestOutput:
     finished: bool  # every choice has finished
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first update only; entry 0 is None
     speculate_metrics: SpeculateMetrics | None = None  # the final update, when the engine speculates
+
+    def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], deltas: tuple[CompletionDelta, ...],
+                 num_prompt_tokens: int, num_output_tokens: int, finished: bool,
+                 prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
+                 speculate_metrics: SpeculateMetrics | None = None) -> None:
+        # One per request and step, filled directly as CompletionDelta is.
+        self.__dict__.update(request_id=request_id, prompt_token_ids=prompt_token_ids, deltas=deltas,
+                             num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens,
+                             finished=finished, prompt_logprobs=prompt_logprobs, speculate_metrics=speculate_metrics)

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute a speculative step's logprobs after verification, not beside it on a second CUDA stream")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: launch every kernel from Python instead of replaying captured CUDA graphs")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="send a request's streamed output every N tokens (the first and the last at once)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish on SIGINT/SIGTERM before they are aborted")
@@ -76,6 +78,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         overlap_logprobs=not args.no_logprobs_overlap,
         cuda_graphs=not args.enforce_eager,
+        stream_interval=args.stream_interval,
     )
 
 
