@@ -18,6 +18,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+_FINISHED = SequenceStatus.FINISHED  # a module global reads faster than an enum member (CPython 3.11)
+
+
 @dataclass(eq=False)
 class Sequence:
     """Mutable state of one generated choice. Owned by the scheduler; the engine appends tokens."""
@@ -68,7 +71,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def needs_prompt_logprobs(self) -> bool:
