@@ -216,12 +216,10 @@ class ModelRunner:
         top_logprobs = inputs.logprobs.top_logprobs
         if not self.speculative.enabled:  # one row per sequence: plain sampling
             out = sample(xp, logits, list(inputs.sampling))
-            results = {}
-            for s, k in enumerate(top_logprobs):
-                logprobs = None if k is None else (
-                    _token_logprob(out.token_ids[s], out.logprobs[s], out.top_token_ids[s], out.top_logprobs[s], k),)
-                results[s] = SeqStepOutput((int(out.token_ids[s]),), logprobs)
-            return results
+            token_ids = out.token_ids.tolist()
+            return {s: SeqStepOutput((token_ids[s],), None if k is None else (
+                _token_logprob(token_ids[s], out.logprobs[s], out.top_token_ids[s], out.top_logprobs[s], k),))
+                for s, k in enumerate(top_logprobs)}
         step = verify_with_logprobs(
             xp, logits, VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
             inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy, self.logprob_stream)

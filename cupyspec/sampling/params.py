@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from cupyspec.errors import InvalidRequestError
 
@@ -56,10 +57,10 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
 
-    @property
+    @cached_property  # read per row and step; the instance is frozen, so computed once
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
