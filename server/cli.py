@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import re
 import signal
@@ -89,6 +90,10 @@ async def serve(config: EngineConfig, host: str, port: int, shutdown_timeout: fl
 
     engine = await AsyncEngine.create(config)
     app = create_app(engine)
+    # Everything alive now lives as long as the server: keep it out of the garbage collector's
+    # full passes, which otherwise rescan the whole start-up heap (tens of ms) every few thousand
+    # requests.
+    gc.freeze()
 
     async def stop_engine(_app: object) -> None:  # runs after the listening sockets are closed
         await engine.shutdown(shutdown_timeout)
