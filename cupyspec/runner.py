@@ -21,6 +21,7 @@ from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprobs import compute_logprobs
+from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduler import SchedulerOutput
@@ -73,6 +74,45 @@ def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
             for j in range(len(drafts) + 1)]
 
 
+class _TargetRows:
+    """The rows of a step that pick (or verify) tokens: each sampling sequence's last row and its
+    drafts' rows, with their sampling parameters and random draws."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # batch rows
+        self.sampling: list[SamplingRow] = []
+        self.owners: list[int] = []  # scheduled index of each sampling sequence
+        self.drafts: list[list[int]] = []  # its drafts
+        self.params: list[SamplingParams] = []  # its parameters
+        self._drawn, self._keys, self._positions = [], [], []  # rows that draw at random: index, key, position
+
+    def add(self, index: int, seq: Sequence, drafts: list[int], first_row: int) -> None:
+        """`seq`, scheduled at `index`, samples from batch rows first_row .. first_row + len(drafts)."""
+        count = len(drafts) + 1
+        self.owners.append(index)
+        self.drafts.append(drafts)
+        self.params.append(seq.params)
+        self.rows.extend(range(first_row, first_row + count))
+        if not seq.params.greedy:
+            self._drawn.extend(range(len(self.sampling), len(self.sampling) + count))
+            self._keys.extend([seq.sampling_key] * count)
+            self._positions.extend(range(seq.num_tokens, seq.num_tokens + count))
+        self.sampling += _sampling_rows(seq, drafts)
+
+    def draw_uniforms(self) -> np.ndarray:
+        """Set the sampling draw of the rows that draw at random; return every row's acceptance draw [R].
+
+        Greedy rows ignore their draws (and a greedy row's acceptance test is 0 < p, p in {0, 1}): 0.
+        """
+        accept_uniforms = np.zeros(len(self.sampling), dtype=np.float64)
+        if self._drawn:
+            keys, positions = np.array(self._keys, dtype=np.uint64), np.array(self._positions, dtype=np.int64)
+            for r, u in zip(self._drawn, counter_uniforms(keys, positions, SAMPLE_STREAM).tolist()):
+                self.sampling[r] = self.sampling[r]._replace(uniform=u)
+            accept_uniforms[self._drawn] = counter_uniforms(keys, positions, ACCEPT_STREAM)
+        return accept_uniforms
+
+
 class _PromptRows:
     """The rows of a step that score the next prompt token, for prompt logprobs."""
 
@@ -87,20 +127,6 @@ class _PromptRows:
             self.rows.append(first_row + pos - start)
             self.targets.append(seq.prompt_token_ids[pos + 1])
             self.owner.append((index, pos + 1, seq.params.prompt_logprobs))
-
-
-def _draw_uniforms(sampling: list[SamplingRow], drawn: list[int], keys: list[int], positions: list[int]) -> np.ndarray:
-    """Set the sampling draw of the rows `drawn` (in place); return every row's acceptance draw [R].
-
-    Greedy rows ignore their draws (and a greedy row's acceptance test is 0 < p, p in {0, 1}): 0.
-    """
-    accept_uniforms = np.zeros(len(sampling), dtype=np.float64)
-    if drawn:
-        keys_arr, positions_arr = np.array(keys, dtype=np.uint64), np.array(positions, dtype=np.int64)
-        for r, u in zip(drawn, counter_uniforms(keys_arr, positions_arr, SAMPLE_STREAM).tolist()):
-            sampling[r] = sampling[r]._replace(uniform=u)
-        accept_uniforms[drawn] = counter_uniforms(keys_arr, positions_arr, ACCEPT_STREAM)
-    return accept_uniforms
 
 
 def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
@@ -128,11 +154,7 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
         lengths, starts, block_ids = [], [], []
-        target_rows: list[int] = []
-        sampling: list[SamplingRow] = []
-        drawn, keys, positions = [], [], []  # rows that draw at random: index, key, position
-        owners, draft_lists = [], []
-        prompt = _PromptRows()
+        targets, prompt = _TargetRows(), _PromptRows()
         row = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
@@ -145,26 +167,19 @@ class ModelRunner:
             if seq.needs_prompt_logprobs:
                 prompt.add(i, seq, start, n, row)
             if start + n == item.num_tokens_before:  # the segment reaches the last token: it samples
-                owners.append(i)
-                draft_lists.append(drafts)
-                target_rows.extend(range(row + n - 1, row + n + len(drafts)))
-                if not seq.params.greedy:
-                    drawn.extend(range(len(sampling), len(sampling) + len(drafts) + 1))
-                    keys.extend([seq.sampling_key] * (len(drafts) + 1))
-                    positions.extend(range(seq.num_tokens, seq.num_tokens + len(drafts) + 1))
-                sampling += _sampling_rows(seq, drafts)
+                targets.add(i, seq, drafts, row + n - 1)
             row += n + len(drafts)
-        params = [sched.scheduled[i].seq.params for i in owners]
-        accept_uniforms = _draw_uniforms(sampling, drawn, keys, positions)
+        accept_uniforms = targets.draw_uniforms()
         return StepInputs(
             batch=flat_batch(token_ids, lengths, starts, block_ids, self.kv.block_size),
-            target_rows=np.array(target_rows, dtype=np.int64),
-            sampling=tuple(sampling),
+            target_rows=np.array(targets.rows, dtype=np.int64),
+            sampling=tuple(targets.sampling),
             accept_uniforms=accept_uniforms,
-            owners=tuple(owners),
-            drafts=_drafts_array(draft_lists),
-            num_drafts=np.array([len(d) for d in draft_lists], dtype=np.int64),
-            logprobs=LogprobRequests(tuple(p.logprobs for p in params), tuple(p.include_draft_logprobs for p in params)),
+            owners=tuple(targets.owners),
+            drafts=_drafts_array(targets.drafts),
+            num_drafts=np.array([len(d) for d in targets.drafts], dtype=np.int64),
+            logprobs=LogprobRequests(tuple(p.logprobs for p in targets.params),
+                                     tuple(p.include_draft_logprobs for p in targets.params)),
             prompt_rows=np.array(prompt.rows, dtype=np.int64),
             prompt_targets=np.array(prompt.targets, dtype=np.int64),
             prompt_owner=tuple(prompt.owner),
