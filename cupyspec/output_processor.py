@@ -67,6 +67,11 @@ class RequestState:
     finished: bool = False
     pending: list[CompletionDelta] = field(default_factory=list)
 
+    def due(self, stream_interval: int) -> bool:
+        """Whether to deliver now: the first tokens, a choice that ended, or `stream_interval` tokens held."""
+        return (self.choice_ended or not self.num_sent_tokens
+                or self.num_output_tokens - self.num_sent_tokens >= stream_interval)
+
     @property
     def all_choices_finished(self) -> bool:
         for seq in self.seqs:
@@ -85,8 +90,6 @@ class OutputProcessor:
 
     def __init__(self, scheduler: Scheduler, metrics: EngineMetrics,
                  on_sequence_finished: Callable[[Sequence], None], stream_interval: int = 1) -> None:
-        if stream_interval < 1:
-            raise ValueError("stream_interval must be at least 1")
         self.scheduler, self.metrics = scheduler, metrics
         self.on_sequence_finished = on_sequence_finished
         self.stream_interval = stream_interval
@@ -142,8 +145,7 @@ class OutputProcessor:
         self.metrics.on_generation_tokens(num_generated)
         self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in outputs])
         for request in touched.values():
-            if (request.choice_ended or not request.num_sent_tokens
-                    or request.num_output_tokens - request.num_sent_tokens >= self.stream_interval):
+            if request.due(self.stream_interval):
                 self._emit(request)
 
     def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float) -> int:
@@ -191,7 +193,7 @@ class OutputProcessor:
         request.channel.put(RequestOutput(
             request.request_id, request.prompt_token_ids, merge_deltas(request.pending),
             len(request.prompt_token_ids), request.num_output_tokens, finished, prompt_lps, spec))
-        request.pending = []
+        request.pending.clear()
         request.num_sent_tokens = request.num_output_tokens
         request.choice_ended = False
         if finished:
