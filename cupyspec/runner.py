@@ -229,7 +229,7 @@ class ModelRunner:
     def _emit(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
         """Tokens (and their logprobs) of every sampling sequence, from its target rows' logits [R, V]."""
         top_logprobs = inputs.logprobs.top_logprobs
-        if not self.speculative.enabled:  # one row per sequence: plain sampling
+        if not inputs.num_drafts.any():  # one row per sequence (no drafts this step): plain sampling
             out = sample(xp, logits, list(inputs.sampling))
             token_ids = out.token_ids.tolist()
             return {s: SeqStepOutput((token_ids[s],), None if k is None else (

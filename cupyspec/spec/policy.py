@@ -11,7 +11,7 @@
    second of the step (the ratio is maximized exactly, by Dinkelbach's iteration). With few
    sequences a step's time hardly grows with its rows and every useful draft is taken; as the
    batch grows, a draft must be likelier to be kept to pay for itself, and under full load
-   speculation stops.
+   speculation stops, but for the same one-draft probes, which keep the costs measured.
 4. A step holds at most `max_draft_tokens_per_step` drafts in all: the likeliest ones.
 """
 
@@ -40,8 +40,9 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
     probing = np.array([s.spec.steps_since_draft >= PROBE_INTERVAL for s in decoding])
     limits = np.where(poor, np.minimum(limits, probing.astype(int)), limits)
     if cost is not None and limits.any():
-        limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running), 0),
+        chosen = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running), 0),
                              cost.per_row, cost.per_drafting_seq)
+        limits = np.where(probing, np.minimum(limits, np.maximum(chosen, 1)), chosen)
     limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
     return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
 

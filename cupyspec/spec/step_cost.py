@@ -15,6 +15,7 @@ import numpy as np
 
 DECAY = 0.97  # weight kept by past steps at each new one (about 30 steps of memory)
 MIN_STEPS = 16  # steps observed before the fit is used
+OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,22 @@ class StepCostModel:
         self._gram = np.zeros((4, 4))  # [4, 4] weighted sum of x x^T
         self._moment = np.zeros(4)  # [4] weighted sum of x * seconds
         self.num_steps = 0
+        self._fit: StepCost | None = None
 
     def observe(self, rows: int, seqs: int, drafting: int, seconds: float) -> None:
+        """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
+        garbage collection) is capped, so that one hiccup does not stop speculation for long."""
+        if self._fit is not None:
+            seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, drafting))
         x = np.array([1.0, rows, seqs, drafting])  # [4]
         self._gram = DECAY * self._gram + np.outer(x, x)
         self._moment = DECAY * self._moment + x * seconds
         self.num_steps += 1
+        if self.num_steps >= MIN_STEPS:
+            # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
+            terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
+            self._fit = StepCost(*np.maximum(terms, 0.0).tolist())
 
     def fit(self) -> StepCost | None:
         """The current estimate (terms clipped at 0), or None before MIN_STEPS steps."""
-        if self.num_steps < MIN_STEPS:
-            return None
-        # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
-        terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
-        return StepCost(*np.maximum(terms, 0.0).tolist())
+        return self._fit
