@@ -235,7 +235,9 @@ def test_full_waiting_queue_answers_503_then_serves_again(held_server: tuple[Liv
 
     async def main() -> None:
         async with aiohttp.ClientSession(base_url=server.base_url, timeout=CLIENT_TIMEOUT) as session:
-            queued = [asyncio.ensure_future(post(session, COMPLETIONS, SHORT)) for _ in range(3)]
+            queued = [asyncio.ensure_future(post(session, COMPLETIONS, SHORT))]
+            await until_load(server, running=1, waiting=0)  # admitted before the queue fills behind it
+            queued += [asyncio.ensure_future(post(session, COMPLETIONS, SHORT)) for _ in range(2)]
             await until_load(server, running=1, waiting=2)
             for path, body in REFUSED_REQUESTS:
                 assert_503(*await post(session, path, body), code="overloaded")
