@@ -109,7 +109,7 @@ class BlockManager:
         """Cover positions [0, num_computed_tokens + num_new_tokens) with blocks; all or nothing."""
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be >= 0")
-        missing = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_ids)
+        missing = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
         if missing <= 0:
             return True
         if not self.can_allocate(missing):

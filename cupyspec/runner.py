@@ -159,14 +159,14 @@ class ModelRunner:
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
             drafts = seq.draft_token_ids[:item.num_lookahead_tokens]
-            token_ids += seq.tokens(start, start + n)
+            token_ids += item.token_ids
             token_ids += drafts
             lengths.append(n + len(drafts))
             starts.append(start)
             block_ids.append(seq.block_ids)
             if seq.needs_prompt_logprobs:
                 prompt.add(i, seq, start, n, row)
-            if start + n == item.num_tokens_before:  # the segment reaches the last token: it samples
+            if item.samples:
                 targets.add(i, seq, drafts, row + n - 1)
             row += n + len(drafts)
         accept_uniforms = targets.draw_uniforms()
