@@ -48,16 +48,21 @@ class FlatBatch:
 class DeviceBatch:
     """The arrays of a FlatBatch that the forward pass reads, on the model's device (int32)."""
 
-    input_ids: Any  # [T]
+    input_ids: Any  # [T]; ~s (< 0) stands for previous_tokens[s]
     positions: Any  # [T]
     batch_id_per_token: Any  # [T]
     slot_mapping: Any  # [T]
     block_tables: Any  # [B, max_blocks]
+    previous_tokens: Any  # [S] the tokens the previous step sampled, not yet seen by the host
 
     @classmethod
-    def of(cls, xp: Any, batch: FlatBatch) -> DeviceBatch:
+    def of(cls, xp: Any, batch: FlatBatch, previous_tokens: Any | None = None) -> DeviceBatch:
+        """previous_tokens: None when no input id is a placeholder."""
+        if previous_tokens is None:
+            previous_tokens = xp.zeros(1, dtype=np.int32)
         return cls(*(xp.asarray(a, dtype=np.int32) for a in (
-            batch.input_ids, batch.positions, batch.batch_id_per_token, batch.slot_mapping, batch.block_tables)))
+            batch.input_ids, batch.positions, batch.batch_id_per_token, batch.slot_mapping, batch.block_tables)),
+            previous_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -86,6 +86,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     overlap_logprobs: bool = True  # GPU: logprobs of a speculative step on a second stream, beside verification
     cuda_graphs: bool = True  # GPU: steps of up to 512 rows replay captured CUDA graphs
+    # form and launch step N+1 while step N runs, its tokens fed on the device (not with speculation
+    # or penalties, which need each token on the host first)
+    overlap_scheduling: bool = True
     stream_interval: int = 1  # deliver a request's outputs every this many tokens (first and last at once)
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from jinja2 import TemplateError
@@ -25,10 +26,10 @@ from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
 from cupyspec.output_processor import OutputProcessor, RequestState
 from cupyspec.outputs import RequestOutput
-from cupyspec.runner import ModelRunner
+from cupyspec.runner import LaunchedStep, ModelRunner
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
-from cupyspec.scheduler import Scheduler
+from cupyspec.scheduler import Scheduler, SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.spec.drafter import Drafter
 from cupyspec.spec.factory import make_proposer
@@ -66,6 +67,13 @@ def _kv_cache_blocks(config: EngineConfig, backend: Backend, bytes_per_block: in
     return int(num_blocks)
 
 
+class _InFlight(NamedTuple):
+    """A launched step and the batch it was formed from."""
+
+    sched: SchedulerOutput
+    launched: LaunchedStep
+
+
 class AsyncEngine:
     """Embed in any asyncio program:
 
@@ -94,7 +102,7 @@ class AsyncEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
         self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
-                                  self.max_model_len)
+                                  self.max_model_len, config.scheduler.max_num_seqs)
         proposer = make_proposer(config.speculative)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.metrics = EngineMetrics(self.model_name)
@@ -213,11 +221,19 @@ class AsyncEngine:
     # ---------------------------------------------------------------- the loop
 
     async def _run_loop(self) -> None:
+        """Schedule, run, process; with overlap scheduling, step N+1 is formed and launched before the
+        host sees the tokens of step N, which the device feeds to it (runner.py)."""
         steps = StepThread("cupyspec-step")
+        in_flight: _InFlight | None = None  # a launched step whose tokens the host has not seen yet
         try:
             while True:
                 while self._aborts:
                     self.outputs.abort(self._aborts.pop())
+                overlap = self._can_overlap()
+                if in_flight is not None and not (overlap and self.scheduler.has_work):
+                    await self._finish_in_flight(steps, in_flight)
+                    in_flight = None
+                    continue
                 if not self.scheduler.has_work:
                     if self._closed:
                         return
@@ -230,10 +246,24 @@ class AsyncEngine:
                 sched = self.scheduler.schedule()
                 self.outputs.finish_ended_by_scheduler(sched.finished)
                 if not sched.scheduled:
-                    await asyncio.sleep(0)
+                    if in_flight is None:
+                        await asyncio.sleep(0)
+                    else:  # every running sequence waits for its last token
+                        await self._finish_in_flight(steps, in_flight)
+                        in_flight = None
                     continue
                 inputs = self.runner.prepare(sched)
+                if overlap:
+                    launched, previous = await steps.run(self.runner.launch_after, inputs,
+                                                         in_flight and in_flight.launched)
+                    self.scheduler.on_launched(sched)
+                    self.outputs.hold_places(sched)
+                    if in_flight is not None:
+                        self.outputs.process_step(in_flight.sched, previous, held=True)
+                    in_flight = _InFlight(sched, launched)
+                    continue
                 step_outputs = await steps.run(self.runner.run, inputs)
+                self.scheduler.on_launched(sched)
                 self.outputs.process_step(sched, step_outputs)
                 if self.drafter is not None:
                     self.drafter.observe_step(sched.num_tokens, len(sched.scheduled),
@@ -245,6 +275,15 @@ class AsyncEngine:
             self.outputs.fail_all(EngineClosedError(f"the engine failed: {exc}"))
         finally:
             steps.close()
+
+    async def _finish_in_flight(self, steps: StepThread, in_flight: _InFlight) -> None:
+        """Wait for the step in flight, then process its tokens."""
+        self.outputs.process_step(in_flight.sched, await steps.run(self.runner.collect, in_flight.launched), held=True)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be formed before the host has the tokens of the one in flight:
+        not when proposers or penalties need every token on the host."""
+        return self.config.overlap_scheduling and self.drafter is None and not self.outputs.num_penalized
 
     def _on_sequence_finished(self, seq: Sequence) -> None:
         if self.drafter is not None:

@@ -94,12 +94,25 @@ class OutputProcessor:
         self.on_sequence_finished = on_sequence_finished
         self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
+        self.num_penalized = 0  # live requests with penalties, which read their output tokens on the host
 
     def add(self, request: RequestState) -> None:
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
+        self.num_penalized += request.seqs[0].params.has_penalties
         self.metrics.on_request_arrived()
+
+    @staticmethod
+    def hold_places(sched: SchedulerOutput) -> None:
+        """Append to each sampling sequence of a launched plain step the placeholder ~s of its token,
+        which is still on the device (s: its index among the step's sampling sequences, in scheduled
+        order, as in the runner's `sampled_tokens`); process_step(held=True) puts the token there."""
+        s = 0
+        for item in sched.scheduled:
+            if item.samples:
+                item.seq.output_token_ids.append(~s)
+                s += 1
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -124,9 +137,13 @@ class OutputProcessor:
         for request in self.requests.values():
             request.channel.put(error)
         self.requests.clear()
+        self.num_penalized = 0
 
-    def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput]) -> None:
-        """Append the emitted tokens, stop where a stop condition says, then advance the scheduler."""
+    def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput], held: bool = False) -> None:
+        """Append the emitted tokens, stop where a stop condition says, then advance the scheduler.
+
+        held: the step's tokens go into the places `hold_places` appended for them.
+        """
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         num_generated = 0
@@ -140,7 +157,8 @@ class OutputProcessor:
             for position, lp in out.prompt_logprobs:
                 request.prompt_logprobs[position] = lp
             if out.token_ids:
-                num_generated += self._append(request, seq, out, item.num_computed_before >= seq.num_prompt_tokens, now)
+                num_generated += self._append(request, seq, out, item.num_computed_before >= seq.num_prompt_tokens, now,
+                                              item.num_tokens_before - seq.num_prompt_tokens if held else None)
                 touched[seq.request_id] = request
         self.metrics.on_generation_tokens(num_generated)
         self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in outputs])
@@ -148,11 +166,16 @@ class OutputProcessor:
             if request.due(self.stream_interval):
                 self._emit(request)
 
-    def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float) -> int:
-        """Add a step's tokens to a choice, up to a stop; the number kept."""
+    def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float,
+                place: int | None) -> int:
+        """Add a step's tokens to a choice, up to a stop; the number kept. place: the index in its
+        output tokens of the placeholder held for the (one) token, or None to append."""
         delta = request.detokenizers[seq.choice_index].add(out.token_ids)
         kept = out.token_ids[:delta.num_tokens_accepted]  # a stop inside an accepted run cuts it
-        seq.output_token_ids.extend(kept)
+        if place is None:
+            seq.output_token_ids.extend(kept)
+        elif kept:
+            seq.output_token_ids[place] = kept[0]
         if is_decode and request.speculative:
             seq.spec.record(out.accepted, len(kept))
         request.num_output_tokens += len(kept)
@@ -173,6 +196,8 @@ class OutputProcessor:
                draft_logprobs: tuple[DraftLogprob, ...] | None = None) -> None:
         self.scheduler.finish(seq, reason)
         seq.stop_reason = stop_reason
+        while seq.output_token_ids and seq.output_token_ids[-1] < 0:  # places held for tokens it will not get
+            seq.output_token_ids.pop()
         request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason,
                                                draft_logprobs))
         request.choice_ended = True
@@ -199,6 +224,7 @@ class OutputProcessor:
         if finished:
             request.finished = True
             del self.requests[request.request_id]
+            self.num_penalized -= request.seqs[0].params.has_penalties
             self._account_finished(request, spec)
 
     def _account_finished(self, request: RequestState, spec: SpeculateMetrics | None) -> None:

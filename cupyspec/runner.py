@@ -4,6 +4,12 @@ Without speculation each sequence that reaches its last token samples one token 
 row. With speculation its segment is [last token, d1..dk] and rows 0..k are verified together:
 the step emits the accepted drafts plus one bonus or correction token (k = 0 is plain decoding
 through the speculative path).
+
+A step is launched, then collected. Launching queues the device work of a plain step and returns
+at once; its sampled tokens stay on the device too, in `sampled_tokens`, where the next step's
+placeholder input ids (~s for the step's sampling sequence s) find them. So the engine can form
+and launch step N+1 before it has seen the tokens of step N (overlap scheduling). A speculative
+step is verified, and waited for, while it is launched.
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.sampling.logprobs import compute_logprobs
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.sampling.sampler import SamplingRow, sample
+from cupyspec.sampling.logprobs import logprobs_on_device
+from cupyspec.sampling.sampler import SamplerOutput, SamplingRow, sample_on_device
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduler import SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
 from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.transfer import HostTransfer
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,15 @@ class SeqStepOutput(NamedTuple):
     accepted: tuple[bool, ...] = ()  # per draft
     draft_logprobs: tuple[DraftLogprob, ...] | None = None  # per draft, when asked
     prompt_logprobs: tuple[tuple[int, TokenLogprob], ...] = ()  # (prompt position, logprob)
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose device work is queued; `ModelRunner.collect` turns it into outputs."""
+
+    inputs: StepInputs
+    transfer: HostTransfer  # the sampled tokens (and logprobs) of a plain step, then the prompt logprobs
+    num_sample_arrays: int  # how many of the transferred arrays sampling filled (0: none, or verified)
+    verified: dict[int, SeqStepOutput] | None  # a speculative step's outputs by sampling index, ready
 
 
 def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
@@ -141,14 +157,17 @@ def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
-                 overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0) -> None:
+                 overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0,
+                 max_num_seqs: int = 256) -> None:
         """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none)."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
-        cuda = backend.xp.cuda if backend.is_cuda else None
+        xp = backend.xp
+        cuda = xp.cuda if backend.is_cuda else None
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
         # the CUDA stream that computes a speculative step's logprobs beside verification
         self.logprob_stream = cuda.Stream(non_blocking=True) if cuda and overlap_logprobs else None
-        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len)
+        self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
+        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -186,16 +205,44 @@ class ModelRunner:
         )
 
     def run(self, inputs: StepInputs) -> list[SeqStepOutput]:
-        """The forward pass, sampling or verification, and logprobs; safe in a worker thread."""
+        """The whole step, waited for; safe in a worker thread."""
+        return self.collect(self.launch(inputs))
+
+    def launch_after(self, inputs: StepInputs, previous: LaunchedStep | None) -> tuple[LaunchedStep, list[SeqStepOutput] | None]:
+        """Launch this step, then collect the one before it (which the device finishes meanwhile)."""
+        launched = self.launch(inputs)
+        return launched, None if previous is None else self.collect(previous)
+
+    def launch(self, inputs: StepInputs) -> LaunchedStep:
+        """Queue the forward pass, sampling and logprobs on the device (a speculative step is verified,
+        and waited for, here); safe in a worker thread."""
+        xp = self.backend.xp
         with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
-            outputs = [SeqStepOutput() for _ in range(inputs.batch.num_seqs)]
             target_logits, prompt_logits = self._logits(inputs)
-            if target_logits is not None:
-                for s, out in self._emit(self.backend.xp, target_logits, inputs).items():
-                    outputs[inputs.owners[s]] = out
+            arrays, verified = [], None
+            if target_logits is not None and inputs.num_drafts.any():
+                verified = self._verify(xp, target_logits, inputs)
+            elif target_logits is not None:
+                arrays = sample_on_device(xp, target_logits, list(inputs.sampling))
+                self.sampled_tokens[:len(inputs.owners)] = arrays[0]
+            num_sample_arrays = len(arrays)
             if prompt_logits is not None:
-                self._add_prompt_logprobs(prompt_logits, inputs, outputs)
-            return outputs
+                k_max = max(k for _, _, k in inputs.prompt_owner)
+                arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
+            return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verified)
+
+    def collect(self, step: LaunchedStep) -> list[SeqStepOutput]:
+        """Wait for a launched step's results; each scheduled sequence's output, in order."""
+        inputs, host = step.inputs, step.transfer.result()
+        outputs = [SeqStepOutput()] * inputs.batch.num_seqs
+        by_sampler = (step.verified if step.verified is not None else
+                      _sampled_outputs(SamplerOutput.from_host(host[:step.num_sample_arrays]), inputs)
+                      if step.num_sample_arrays else {})
+        for s, out in by_sampler.items():
+            outputs[inputs.owners[s]] = out
+        if inputs.prompt_owner:
+            _add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
+        return outputs
 
     def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None]:
         """Logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows (None: no rows).
@@ -206,7 +253,7 @@ class ModelRunner:
         xp = self.backend.xp
         every_row = self.graphs.run(inputs.batch) if self.graphs is not None else None  # [T, V] or None
         if every_row is None:
-            hidden = self.model.forward(DeviceBatch.of(xp, inputs.batch), self.kv)  # [T, H]
+            hidden = self.model.forward(DeviceBatch.of(xp, inputs.batch, self.sampled_tokens), self.kv)  # [T, H]
 
         def rows_logits(rows: np.ndarray) -> Any:
             if every_row is None:
@@ -215,26 +262,8 @@ class ModelRunner:
 
         return tuple(rows_logits(rows) if len(rows) else None for rows in (inputs.target_rows, inputs.prompt_rows))
 
-    def _add_prompt_logprobs(self, logits: Any, inputs: StepInputs, outputs: list[SeqStepOutput]) -> None:
-        """Prompt logprobs from the logits [P, V] of the prompt rows, into each sequence's output."""
-        k_max = max(k for _, _, k in inputs.prompt_owner)
-        lps, top_ids, top_lps = compute_logprobs(self.backend.xp, logits, inputs.prompt_targets, k_max)
-        per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
-        for j, (i, position, k) in enumerate(inputs.prompt_owner):
-            per_seq.setdefault(i, []).append(
-                (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
-        for i, pairs in per_seq.items():
-            outputs[i] = outputs[i]._replace(prompt_logprobs=tuple(pairs))
-
-    def _emit(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
-        """Tokens (and their logprobs) of every sampling sequence, from its target rows' logits [R, V]."""
-        top_logprobs = inputs.logprobs.top_logprobs
-        if not inputs.num_drafts.any():  # one row per sequence (no drafts this step): plain sampling
-            out = sample(xp, logits, list(inputs.sampling))
-            token_ids = out.token_ids.tolist()
-            return {s: SeqStepOutput((token_ids[s],), None if k is None else (
-                _token_logprob(token_ids[s], out.logprobs[s], out.top_token_ids[s], out.top_logprobs[s], k),))
-                for s, k in enumerate(top_logprobs)}
+    def _verify(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
+        """Tokens (and logprobs) of every sampling sequence from its target rows' logits [R, V], drafts verified."""
         step = verify_with_logprobs(
             xp, logits, VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
             inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy, self.logprob_stream)
@@ -246,3 +275,23 @@ class ModelRunner:
                                        num_drafts, tuple(bool(a) for a in verdict.accepted_mask[s, :num_drafts]),
                                        draft_logprobs=step.draft_logprobs[s])
         return results
+
+
+def _sampled_outputs(out: SamplerOutput, inputs: StepInputs) -> dict[int, SeqStepOutput]:
+    """Each sampling sequence's one token (and its logprobs, when asked) from a plain step."""
+    token_ids = out.token_ids.tolist()
+    return {s: SeqStepOutput((token_ids[s],), None if k is None else (
+        _token_logprob(token_ids[s], out.logprobs[s], out.top_token_ids[s], out.top_logprobs[s], k),))
+        for s, k in enumerate(inputs.logprobs.top_logprobs)}
+
+
+def _add_prompt_logprobs(host: list[np.ndarray], inputs: StepInputs, outputs: list[SeqStepOutput]) -> None:
+    """Prompt logprobs from the host copies (logprob [P], top ids [P, K], top logprobs [P, K]) of the
+    prompt rows, into each sequence's output."""
+    lps, top_ids, top_lps = host[0].astype(np.float32), host[1].astype(np.int64), host[2].astype(np.float32)
+    per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
+    for j, (i, position, k) in enumerate(inputs.prompt_owner):
+        per_seq.setdefault(i, []).append(
+            (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
+    for i, pairs in per_seq.items():
+        outputs[i] = outputs[i]._replace(prompt_logprobs=tuple(pairs))

@@ -118,6 +118,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_tokens >= seq.max_total_tokens:  # its last token is still on the device
+                i += 1
+                continue
             item = self._try_schedule(seq, budget)
             while item is None:
                 if len(self.running) == 1:  # alone and still short: the pool cannot hold it
@@ -152,20 +155,28 @@ class Scheduler:
 
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(finished))
 
+    def on_launched(self, output: SchedulerOutput) -> None:
+        """The step is on the device: count its segments as computed (later steps queue behind them)."""
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.num_computed_tokens != item.num_computed_before:
+                raise RuntimeError(f"sequence {seq.seq_id} changed progress before its step was launched")
+            seq.num_computed_tokens += item.num_new_tokens
+
     def update_after_step(self, output: SchedulerOutput, num_accepted_drafts: Sequence_[int] = ()) -> None:
-        """Count the step's tokens as computed and cache the blocks they filled.
+        """Count the step's accepted drafts as computed and cache the blocks the step filled.
 
         `num_accepted_drafts[i]` (aligned with output.scheduled; default 0) counts the drafts of
         sequence i whose K/V stay: the engine has appended them to the sequence's tokens. The K/V
         of rejected drafts is dropped: whole blocks past the computed tokens go back to the pool.
+        Sequences that finished, or were preempted, since the step was formed are left alone.
         """
         for i, item in enumerate(output.scheduled):
             seq = item.seq
-            if seq.is_finished:  # aborted or stopped while the step ran
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
-            if seq.num_computed_tokens != item.num_computed_before:
-                raise RuntimeError(f"sequence {seq.seq_id} changed progress while its step ran")
-            seq.num_computed_tokens += item.num_new_tokens + (num_accepted_drafts[i] if num_accepted_drafts else 0)
+            if num_accepted_drafts:
+                seq.num_computed_tokens += num_accepted_drafts[i]
             if item.num_lookahead_tokens:
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
             self.block_manager.commit(seq)

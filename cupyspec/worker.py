@@ -19,16 +19,16 @@ class StepThread:
     """
 
     def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable, Any] | None] = \
+        self._calls: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable, tuple] | None] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def run(self, fn: Callable[[Any], T], arg: Any) -> asyncio.Future[T]:
-        """`fn(arg)` on the thread, after the calls before it; await the returned future for its result."""
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` on the thread, after the calls before it; await the returned future for its result."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._calls.put((loop, future, fn, arg))
+        self._calls.put((loop, future, fn, args))
         return future
 
     def close(self) -> None:
@@ -37,9 +37,9 @@ class StepThread:
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
-            loop, future, fn, arg = call
+            loop, future, fn, args = call
             try:
-                result, error = fn(arg), None
+                result, error = fn(*args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 result, error = None, exc
             try:

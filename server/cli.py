@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--no-logprobs-overlap", action="store_true",
                    help="compute a speculative step's logprobs after verification, not beside it on a second CUDA stream")
+    p.add_argument("--no-overlap-scheduling", action="store_true",
+                   help="form each step after the host has the tokens of the one before (for measurement)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: launch every kernel from Python instead of replaying captured CUDA graphs")
     p.add_argument("--stream-interval", type=int, default=1,
@@ -79,6 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         overlap_logprobs=not args.no_logprobs_overlap,
         cuda_graphs=not args.enforce_eager,
+        overlap_scheduling=not args.no_overlap_scheduling,
         stream_interval=args.stream_interval,
     )
 

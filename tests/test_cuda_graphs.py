@@ -1,5 +1,6 @@
 """CUDA graphs on the GPU: a replayed step gives the eager step's logits bit for bit, and the engine
-gives the same greedy outputs with graphs as without, with and without speculation."""
+gives the same greedy outputs with graphs as without, with and without speculation, and with
+overlap scheduling as without."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def model_and_graphs(default_model_path):
     model = LlamaModel(loaded.config, loaded.weights, backend)
     kv = KVCacheArrays(cupy, loaded.config, 512, BLOCK_SIZE, backend.dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
-    return model, kv, stream, CudaGraphs(model, kv, stream, 64, MAX_MODEL_LEN)
+    return model, kv, stream, CudaGraphs(model, kv, stream, 64, MAX_MODEL_LEN, cupy.zeros(1, np.int32))
 
 
 @pytest.mark.gpu
@@ -66,10 +67,11 @@ def test_replayed_step_gives_the_eager_logits(model_and_graphs, parts: list[tupl
     np.testing.assert_array_equal(replayed, eager)
 
 
-async def _greedy_tokens(model_path: str, cuda_graphs: bool, method: str | None) -> list[list[int]]:
+async def _greedy_tokens(model_path: str, cuda_graphs: bool, method: str | None,
+                         overlap_scheduling: bool = True) -> list[list[int]]:
     speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0, cost_aware_backoff=False)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
-                                                   speculative=speculative))
+                                                   speculative=speculative, overlap_scheduling=overlap_scheduling))
     params = SamplingParams(temperature=0.0, max_tokens=96)
 
     async def answer(prompt: str) -> list[int]:
@@ -91,3 +93,10 @@ def test_greedy_outputs_with_cuda_graphs_equal_eager(default_model_path, method:
     eager = asyncio.run(_greedy_tokens(default_model_path, False, method))
     graphed = asyncio.run(_greedy_tokens(default_model_path, True, method))
     assert graphed == eager
+
+
+@pytest.mark.gpu
+def test_greedy_outputs_with_overlap_scheduling_equal_a_step_at_a_time(default_model_path) -> None:
+    one_at_a_time = asyncio.run(_greedy_tokens(default_model_path, True, None, overlap_scheduling=False))
+    overlapped = asyncio.run(_greedy_tokens(default_model_path, True, None))
+    assert overlapped == one_at_a_time

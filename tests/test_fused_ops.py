@@ -1,5 +1,5 @@
-"""The fused decoder kernels (cuda/rms_norm.cu, rope_cache.cu, swiglu.cu, the fused gemv kernels of
-gemm.cu) against their NumPy twins; fused gemv steps against their separate kernels, bit for bit."""
+"""The fused decoder kernels (cuda/rms_norm.cu, rope_cache.cu, swiglu.cu, embedding.cu, the fused gemv
+kernels of gemm.cu) against their NumPy twins; fused gemv steps against their separate kernels, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, rope_and_cache, swiglu
 from cupyspec.model.linear import GEMV_MAX_ROWS, linear
 
@@ -34,6 +35,20 @@ def test_rms_norm(tokens: int, hidden: int) -> None:
     want = rms_norm(np, residual, weight, EPS, np.float16)
     got = rms_norm(cupy, cupy.asarray(residual), cupy.asarray(weight), EPS, np.float16)
     np.testing.assert_allclose(got.get().astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (300, 896), (7, 6)])
+def test_embedding_with_placeholders(tokens: int, hidden: int) -> None:
+    import cupy
+
+    rng = np.random.default_rng(tokens)
+    table = rng.standard_normal((1000, hidden)).astype(np.float16)  # [V, H]
+    previous = rng.integers(0, 1000, 256).astype(np.int32)  # [S]
+    ids = rng.integers(0, 1000, tokens).astype(np.int32)  # [T]
+    ids[::3] = ~rng.integers(0, 256, len(ids[::3]))  # placeholders ~s: previous[s]
+    want = embed_tokens(np, table, ids, previous)
+    got = embed_tokens(cupy, *map(cupy.asarray, (table, ids, previous)))
+    np.testing.assert_array_equal(got.get(), want)
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (70, 9, 3, 64), (5, 14, 2, 128)])

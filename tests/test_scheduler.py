@@ -35,6 +35,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     """One engine step: schedule, mark computed, append a token to each sampling sequence."""
     out = sched.schedule()
+    sched.on_launched(out)
     sched.update_after_step(out)
     for item in out.scheduled:
         if item.samples:
@@ -238,6 +239,7 @@ def test_random_workload_keeps_invariants():
             slots = np.array(seq.block_ids)[positions // block_size], positions % block_size
             assert np.array_equal(kv[slots][:start], tokens[:start])  # cached prefix holds our tokens
             kv[slots[0][start:], slots[1][start:]] = tokens[start:start + item.num_new_tokens]
+        sched.on_launched(out)
         sched.update_after_step(out)
         for item in out.scheduled:
             if item.samples and not item.seq.is_finished:

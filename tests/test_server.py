@@ -189,13 +189,13 @@ def held_server(tmp_path: Path) -> Iterator[tuple[LiveServer, threading.Event]]:
                                                                        max_waiting_requests=2))
     server = LiveServer(config).start()
     release = threading.Event()
-    run_step = server.engine.runner.run
+    launch_step = server.engine.runner.launch
 
     def held_step(inputs: Any) -> Any:
         release.wait(60)
-        return run_step(inputs)
+        return launch_step(inputs)
 
-    server.engine.runner.run = held_step
+    server.engine.runner.launch = held_step
     try:
         yield server, release
     finally:

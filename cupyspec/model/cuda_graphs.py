@@ -1,7 +1,9 @@
 """CUDA graphs of the forward pass and the logits, one per token-count bucket, captured once.
 
 A step of T rows runs as the graph of the smallest bucket of at least T rows. Its inputs go into
-static device buffers in two asynchronous copies from pinned host memory; rows T.. of the bucket
+static device buffers in two asynchronous copies from pinned host memory (two sets, used in turn:
+with overlap scheduling the host stages step N+1 while the copies of step N may still be queued,
+and it has waited for step N-1 by then); rows T.. of the bucket
 are padding (token 0 at position 0, written to the KV cache's scratch block, which no request
 owns); the logits of every row land in one static buffer. Python then launches one graph instead
 of some 300 kernels.
@@ -36,19 +38,22 @@ TOKEN_FIELDS = 4  # rows of the staged token arrays: input ids, positions, batch
 class CudaGraphs:
     """The captured graphs of `model` over `kv`, and the static buffers they read and write."""
 
-    def __init__(self, model: LlamaModel, kv: KVCacheArrays, stream: Any, max_tokens: int, max_model_len: int) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCacheArrays, stream: Any, max_tokens: int, max_model_len: int,
+                 previous_tokens: Any) -> None:
+        """previous_tokens [S] int32: the device buffer where placeholder input ids ~s find their tokens."""
         import cupy
         import cupyx
 
-        self.model, self.kv, self.stream = model, kv, stream
+        self.model, self.kv, self.stream, self.previous_tokens = model, kv, stream, previous_tokens
         self.buckets = tuple(b for b in BUCKETS if b <= max_tokens)
         if not self.buckets:
             raise ValueError(f"no CUDA graph bucket holds at most {max_tokens} rows")
         rows = self.buckets[-1]
         width = -(-max_model_len // kv.block_size)  # block-table columns: the longest sequence's blocks
         self.padding_row = rows  # the block-table row of padding tokens: all scratch blocks
-        self.host_tokens = cupyx.empty_pinned((TOKEN_FIELDS, rows), np.int32)  # [4, rows]
-        self.host_tables = cupyx.empty_pinned((rows + 1, width), np.int32)  # [rows + 1, width]
+        self.host_tokens = [cupyx.empty_pinned((TOKEN_FIELDS, rows), np.int32) for _ in range(2)]  # [4, rows] each
+        self.host_tables = [cupyx.empty_pinned((rows + 1, width), np.int32) for _ in range(2)]  # [rows + 1, width]
+        self._turn = 0  # the set of pinned buffers the next step stages its inputs in
         self.tokens = cupy.zeros((TOKEN_FIELDS, rows), np.int32)  # [4, rows] on the device
         self.tables = cupy.zeros((rows + 1, width), np.int32)  # [rows + 1, width] on the device
         self.tables[self.padding_row] = kv.scratch_block
@@ -56,8 +61,8 @@ class CudaGraphs:
         self.pool = cupy.cuda.MemoryPool()  # the graphs' own activations, never handed to eager code
         self.graphs: dict[int, Any] = {}
         with cupy.cuda.using_allocator(self.pool.malloc), stream:
-            self._pad(0, rows)
-            self.tokens.set(self.host_tokens, stream=stream)
+            self._pad(self.host_tokens[0], 0, rows)
+            self.tokens.set(self.host_tokens[0], stream=stream)
             for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its memory
                 self._forward(bucket)  # warm-up: compiles kernels, fills the pool outside capture
                 stream.begin_capture()
@@ -70,12 +75,12 @@ class CudaGraphs:
 
     def _forward(self, bucket: int) -> None:
         ids, positions, batch_ids, slots = (self.tokens[f, :bucket] for f in range(TOKEN_FIELDS))
-        batch = DeviceBatch(ids, positions, batch_ids, slots, self.tables)
+        batch = DeviceBatch(ids, positions, batch_ids, slots, self.tables, self.previous_tokens)
         self.model.compute_logits(self.model.forward(batch, self.kv), out=self.logits[:bucket])
 
-    def _pad(self, start: int, stop: int) -> None:
-        """Rows start..stop of the staged tokens become padding."""
-        ids, positions, batch_ids, slots = self.host_tokens[:, start:stop]
+    def _pad(self, staged: np.ndarray, start: int, stop: int) -> None:
+        """Rows start..stop of the staged tokens [4, rows] become padding."""
+        ids, positions, batch_ids, slots = staged[:, start:stop]
         ids[:] = positions[:] = 0
         batch_ids[:] = self.padding_row
         slots[:] = self.kv.scratch_block * self.kv.block_size
@@ -88,14 +93,15 @@ class CudaGraphs:
         if index == len(self.buckets) or batch.block_tables.shape[1] > self.tables.shape[1]:
             return None
         bucket = self.buckets[index]
-        staged = self.host_tokens
+        staged, tables = self.host_tokens[self._turn], self.host_tables[self._turn]
+        self._turn ^= 1
         staged[0, :num_tokens] = batch.input_ids
         staged[1, :num_tokens] = batch.positions
         staged[2, :num_tokens] = batch.batch_id_per_token
         staged[3, :num_tokens] = batch.slot_mapping
-        self._pad(num_tokens, bucket)
-        self.host_tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
+        self._pad(staged, num_tokens, bucket)
+        tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
         self.tokens.set(staged, stream=self.stream)
-        self.tables[:num_seqs].set(self.host_tables[:num_seqs], stream=self.stream)
+        self.tables[:num_seqs].set(tables[:num_seqs], stream=self.stream)
         self.graphs[bucket].launch(self.stream)
         return self.logits[:num_tokens]

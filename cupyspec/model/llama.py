@@ -10,6 +10,7 @@ import numpy as np
 from cupyspec.backend import Backend
 from cupyspec.batch import DeviceBatch
 from cupyspec.config import ModelConfig
+from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.attention import paged_attention, paged_attention_cuda
 from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
@@ -75,7 +76,7 @@ class LlamaModel:
         q_width = c.num_heads * c.head_dim
         scale = 1.0 / float(np.sqrt(c.head_dim))
         eps = c.rms_norm_eps
-        residual = self.embed[batch.input_ids].astype(np.float32)  # [T, H] fp32 residual stream
+        residual = embed_tokens(xp, self.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32 residual
         for i, w in enumerate(self.layers):
             q = norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, self.rope_cos, self.rope_sin,
                               batch.positions, batch.slot_mapping, kv.k[i], kv.v[i])  # [T, Hq, D]

@@ -6,23 +6,7 @@ from typing import Any
 
 import numpy as np
 
-
-def to_host(xp: Any, array: Any) -> np.ndarray:
-    """A host NumPy array: one device-to-host copy for CuPy, a no-op for NumPy."""
-    return np.asarray(array) if xp is np else array.get()
-
-
-def fetch_arrays(xp: Any, arrays: list[Any]) -> list[np.ndarray]:
-    """Bring several device arrays of any shapes to the host in ONE transfer.
-
-    They travel flattened and concatenated as float64, which holds int32/int64 token ids (< 2**53),
-    booleans and float32 values exactly; each comes back as float64 in its own shape.
-    """
-    if not arrays:
-        return []
-    packed = to_host(xp, xp.concatenate([a.astype(xp.float64).ravel() for a in arrays]))  # [sum sizes]
-    bounds = np.cumsum([0] + [a.size for a in arrays])
-    return [packed[lo:hi].reshape(a.shape) for a, lo, hi in zip(arrays, bounds[:-1], bounds[1:])]
+from cupyspec.transfer import fetch_arrays
 
 
 def stable_argsort(xp: Any, values: Any) -> Any:

@@ -14,9 +14,10 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from cupyspec.sampling.logprobs import fetch_arrays, logprobs_on_device, stable_argsort
+from cupyspec.sampling.logprobs import logprobs_on_device, stable_argsort
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
+from cupyspec.transfer import fetch_arrays
 
 
 class SamplingRow(NamedTuple):
@@ -36,6 +37,15 @@ class SamplerOutput:
     logprobs: np.ndarray | None  # [R] f32, chosen token under log_softmax(raw logits); None if no row asks
     top_token_ids: np.ndarray | None  # [R, K] int64, K = the largest `logprobs` asked; rows take a prefix
     top_logprobs: np.ndarray | None  # [R, K] f32
+
+    @classmethod
+    def from_host(cls, arrays: list[np.ndarray]) -> SamplerOutput:
+        """From the host copies of sample_on_device's arrays, in its order."""
+        if len(arrays) == 1:
+            return cls(arrays[0].astype(np.int64), None, None, None)
+        tokens, chosen, top_ids, top_lps = arrays
+        return cls(tokens.astype(np.int64), chosen.astype(np.float32), top_ids.astype(np.int64),
+                   top_lps.astype(np.float32))
 
 
 @dataclass(frozen=True)
@@ -129,17 +139,22 @@ def pick_tokens(xp: Any, x: Any, rows: Sequence[SamplingRow], drawn: np.ndarray)
     return tokens, ranked
 
 
-def sample(xp: Any, logits: Any, rows: list[SamplingRow]) -> SamplerOutput:
-    """Pick one token per row of logits [R, V] f32 (on xp's device); one device-to-host transfer."""
+def sample_on_device(xp: Any, logits: Any, rows: list[SamplingRow]) -> list[Any]:
+    """Pick one token per row of logits [R, V] f32; no host synchronization.
+
+    Device arrays: [tokens [R] int64], followed, when any row asks for logprobs, by the chosen
+    tokens' logprobs [R] f32, top ids [R, K] int64 and top logprobs [R, K] f32.
+    """
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must have shape [len(rows)={len(rows)}, V], got {logits.shape}")
     logits = logits.astype(xp.float32, copy=False)
     asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     tokens, _ = pick_tokens(xp, penalized_logits(xp, logits, rows), rows, drawn_rows(rows))
-
     if not asked:
-        return SamplerOutput(fetch_arrays(xp, [tokens])[0].astype(np.int64), None, None, None)
-    chosen, top_ids, top_lps = logprobs_on_device(xp, logits, tokens, max(asked))
-    host = fetch_arrays(xp, [tokens, chosen, top_ids, top_lps])
-    return SamplerOutput(host[0].astype(np.int64), host[1].astype(np.float32),
-                         host[2].astype(np.int64), host[3].astype(np.float32))
+        return [tokens]
+    return [tokens, *logprobs_on_device(xp, logits, tokens, max(asked))]
+
+
+def sample(xp: Any, logits: Any, rows: list[SamplingRow]) -> SamplerOutput:
+    """Pick one token per row of logits [R, V] f32 (on xp's device); one device-to-host transfer."""
+    return SamplerOutput.from_host(fetch_arrays(xp, sample_on_device(xp, logits, rows)))

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from cupyspec.kernels import load_kernel
-from cupyspec.sampling.logprobs import fetch_arrays, top_logprobs_on_device
+from cupyspec.sampling.logprobs import top_logprobs_on_device
+from cupyspec.transfer import fetch_arrays
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
 

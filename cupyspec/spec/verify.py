@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.sampling.logprobs import fetch_arrays
+from cupyspec.transfer import fetch_arrays
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES

@@ -1,0 +1,159 @@
+"""Overlap scheduling: forming and launching step N+1 before the host has seen the tokens of step N
+changes no output, leaks no KV block, and really overlaps (the runner sees a step launched while
+the one before it is uncollected)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.model.embedding import embed_tokens
+from cupyspec.sampling.params import SamplingParams
+from test_engine import collect, prompts
+from tiny_models import tiny_model_paths
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    return str(tiny_model_paths(tmp_path_factory.mktemp("overlap"), "llama")[1])
+
+
+async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None) -> AsyncEngine:
+    block_size = 4
+    cache = CacheConfig(block_size=block_size)
+    if kv_blocks is not None:  # fp32 K and V of 2 layers x 2 heads x 16 per position
+        cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_blocks * 2 * 2 * block_size * 2 * 16 * 4)
+    engine = await AsyncEngine.create(EngineConfig(model=path, device="cpu", cache=cache, overlap_scheduling=overlap,
+                                                   scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+    engine.overlapped_steps = 0  # steps launched while the step before was still uncollected
+    launch_after = engine.runner.launch_after
+
+    def counting_launch_after(inputs, previous):
+        engine.overlapped_steps += previous is not None
+        return launch_after(inputs, previous)
+
+    engine.runner.launch_after = counting_launch_after
+    return engine
+
+
+def workload(stop_token: int) -> list[tuple[list[int], SamplingParams]]:
+    """Requests that use what a step's tokens feed: stops, seeds, logprobs, several choices."""
+    p = prompts(9, 3)
+    return [
+        (p[0], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)),
+        (p[1], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=11, ignore_eos=True)),
+        (p[2], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=3, prompt_logprobs=2)),
+        (p[3], SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=8, ignore_eos=True, logprobs=1)),
+        (p[4], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)),
+        (p[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=(stop_token,))),
+        (p[5], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)),
+    ]
+
+
+def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
+    """Tokens, text and finish reasons equal; logprobs equal to 1e-4 with the same tokens and ranks
+    (NumPy's matrix products round by batch shape, and the batches differ)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g["tokens"], g["text"], g["finish"]) == (w["tokens"], w["text"], w["finish"])
+        pairs = [(a, b) for i in w["logprobs"] for a, b in zip(g["logprobs"][i], w["logprobs"][i], strict=True)]
+        pairs += list(zip(g.get("prompt_logprobs", ())[1:], w.get("prompt_logprobs", ())[1:], strict=True))
+        for a, b in pairs:
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert np.allclose([a.logprob, *(lp for _, lp in a.top)], [b.logprob, *(lp for _, lp in b.top)],
+                               atol=1e-4, rtol=0)
+
+
+async def run_workload(engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[dict]:
+    """All requests at once, each a little after the one before, so they join a running batch."""
+    async def delayed(i: int, prompt: list[int], params: SamplingParams) -> dict:
+        await asyncio.sleep(0.002 * i)
+        return await collect(engine, prompt, params)
+
+    results = await asyncio.gather(*(delayed(i, p, params) for i, (p, params) in enumerate(requests)))
+    for result in results:
+        del result["last"]  # holds timings
+    return results
+
+
+def test_overlap_gives_the_outputs_of_a_step_at_a_time(tiny_gguf):
+    async def main():
+        results, overlapped, used = {}, {}, {}
+        for overlap in (False, True):
+            engine = await make_engine(tiny_gguf, overlap)
+            greedy = await collect(engine, prompts(9, 3)[0], SamplingParams(temperature=0.0, max_tokens=14,
+                                                                            ignore_eos=True))
+            stop_token = greedy["tokens"][0][5]  # the sixth token of the first request stops the sixth
+            results[overlap] = await run_workload(engine, workload(stop_token))
+            overlapped[overlap], used[overlap] = engine.overlapped_steps, engine.stats().num_used_kv_blocks
+            engine.scheduler.check_invariants()
+            await engine.shutdown()
+        return results, overlapped, used
+
+    results, overlapped, used = asyncio.run(main())
+    assert_same_outputs(results[True], results[False])
+    assert results[True][5]["finish"] == {0: "stop"} and len(results[True][5]["tokens"][0]) <= 6
+    assert overlapped[False] == 0 and overlapped[True] > 20
+    assert used == {False: 0, True: 0}
+
+
+def test_a_penalized_request_takes_its_steps_one_at_a_time(tiny_gguf):
+    """Penalties read every output token on the host: while one runs, steps do not overlap, and
+    the outputs stay those of the engine without overlap."""
+    penalized = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=0.7)
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        results, counts = {}, {}
+        for overlap in (False, True):
+            engine = await make_engine(tiny_gguf, overlap)
+            results[overlap] = await run_workload(engine, [(prompts(2, 5)[0], plain), (prompts(2, 5)[1], penalized)])
+            counts[overlap] = engine.overlapped_steps, engine.outputs.num_penalized
+            await engine.shutdown()
+        return results, counts
+
+    results, counts = asyncio.run(main())
+    assert_same_outputs(results[True], results[False])
+    overlapped, penalized_left = counts[True]
+    assert penalized_left == 0 and 0 < overlapped < 40 - 12  # overlaps before and after, not while it runs
+
+
+def test_preemption_and_aborts_under_overlap_keep_outputs_and_free_blocks(tiny_gguf):
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def main():
+        big = await make_engine(tiny_gguf, overlap=False)
+        want = [await collect(big, p, greedy) for p in prompts(6, 1)]
+        await big.shutdown()
+        small = await make_engine(tiny_gguf, overlap=True, kv_blocks=40)  # 160 tokens for 6 requests of up to 70
+        got = await asyncio.gather(*(collect(small, p, greedy) for p in prompts(6, 1)))
+        long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        stream = small.generate([1, 2, 3], long, request_id="a")
+        await anext(stream)
+        await anext(stream)
+        await small.abort("a")
+        finals = [out async for out in stream]
+        for _ in range(100):
+            if small.stats().num_used_kv_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+        stats = small.stats()
+        await small.shutdown()
+        return want, got, small.scheduler.num_preemptions, small.overlapped_steps, finals, stats
+
+    want, got, preemptions, overlapped, finals, stats = asyncio.run(main())
+    assert preemptions > 0 and overlapped > 0
+    assert [w["tokens"] for w in want] == [g["tokens"] for g in got]
+    assert finals[-1].deltas[-1].finish_reason == "abort"
+    assert stats.num_used_kv_blocks == 0 and stats.num_running == 0
+
+
+def test_placeholder_ids_embed_the_previous_steps_tokens():
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)  # [V, H]
+    previous = np.array([7, 3, 9], dtype=np.int32)  # [S]
+    ids = np.array([5, ~2, 0, ~0], dtype=np.int32)  # [T]: ~s stands for previous[s]
+    assert np.array_equal(embed_tokens(np, table, ids, previous), table[[5, 9, 0, 7]])
