@@ -208,7 +208,8 @@ class ModelRunner:
         """The whole step, waited for; safe in a worker thread."""
         return self.collect(self.launch(inputs))
 
-    def launch_after(self, inputs: StepInputs, previous: LaunchedStep | None) -> tuple[LaunchedStep, list[SeqStepOutput] | None]:
+    def launch_after(self, inputs: StepInputs,
+                     previous: LaunchedStep | None) -> tuple[LaunchedStep, list[SeqStepOutput] | None]:
         """Launch this step, then collect the one before it (which the device finishes meanwhile)."""
         launched = self.launch(inputs)
         return launched, None if previous is None else self.collect(previous)
