@@ -196,7 +196,7 @@ class OutputProcessor:
                draft_logprobs: tuple[DraftLogprob, ...] | None = None) -> None:
         self.scheduler.finish(seq, reason)
         seq.stop_reason = stop_reason
-        while seq.output_token_ids and seq.output_token_ids[-1] < 0:  # places held for tokens it will not get
+        while seq.awaits_token:  # places held for tokens it will not get
             seq.output_token_ids.pop()
         request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason,
                                                draft_logprobs))

@@ -124,8 +124,9 @@ class Scheduler:
             item = self._try_schedule(seq, budget)
             while item is None:
                 if len(self.running) == 1:  # alone and still short: the pool cannot hold it
-                    self.finish(seq, "length")
-                    finished.append(seq)
+                    if not seq.awaits_token:  # (else it ends once its last token is in)
+                        self.finish(seq, "length")
+                        finished.append(seq)
                     break
                 victim = self.running.pop()  # the latest arrival
                 self._preempt(victim)
@@ -134,7 +135,9 @@ class Scheduler:
                     break
                 item = self._try_schedule(seq, budget)
             if item is None:
-                continue  # `seq` left the running list
+                if seq.status is SequenceStatus.RUNNING:  # it waits for its last token
+                    i += 1
+                continue  # else `seq` left the running list
             scheduled.append(item)
             budget -= item.num_new_tokens + item.num_lookahead_tokens
             i += 1

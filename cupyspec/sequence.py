@@ -74,6 +74,11 @@ class Sequence:
         return self.status is _FINISHED
 
     @property
+    def awaits_token(self) -> bool:
+        """Its last token is a placeholder: sampled by a step whose results the host has not seen."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] < 0
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs are still to be computed (they need every prompt row's logits)."""
         return self.params.prompt_logprobs is not None and not self.output_token_ids

@@ -152,6 +152,26 @@ def test_preemption_and_aborts_under_overlap_keep_outputs_and_free_blocks(tiny_g
     assert stats.num_used_kv_blocks == 0 and stats.num_running == 0
 
 
+def test_a_sequence_that_fills_the_pool_keeps_its_last_token(tiny_gguf):
+    """Without max_tokens a sequence grows until the KV pool is full, then ends with "length";
+    under overlap its last token is still on the device then, and is not lost."""
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+
+    async def main():
+        results = {}
+        for overlap in (False, True):
+            engine = await make_engine(tiny_gguf, overlap, kv_blocks=10)  # 40 positions
+            results[overlap] = await collect(engine, prompts(1, 9)[0], unbounded)
+            assert engine.stats().num_used_kv_blocks == 0
+            await engine.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert results[True]["finish"] == results[False]["finish"] == {0: "length"}
+    assert results[True]["tokens"] == results[False]["tokens"]
+    assert len(prompts(1, 9)[0]) + len(results[True]["tokens"][0]) == 41  # 40 positions of KV, then one more token
+
+
 def test_placeholder_ids_embed_the_previous_steps_tokens():
     table = np.arange(40, dtype=np.float32).reshape(10, 4)  # [V, H]
     previous = np.array([7, 3, 9], dtype=np.int32)  # [S]
