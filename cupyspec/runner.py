@@ -26,8 +26,8 @@ from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.logprobs import logprobs_on_device
+from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplerOutput, SamplingRow, sample_on_device
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduler import SchedulerOutput
@@ -236,9 +236,12 @@ class ModelRunner:
         """Wait for a launched step's results; each scheduled sequence's output, in order."""
         inputs, host = step.inputs, step.transfer.result()
         outputs = [SeqStepOutput()] * inputs.batch.num_seqs
-        by_sampler = (step.verified if step.verified is not None else
-                      _sampled_outputs(SamplerOutput.from_host(host[:step.num_sample_arrays]), inputs)
-                      if step.num_sample_arrays else {})
+        if step.verified is not None:
+            by_sampler = step.verified
+        elif step.num_sample_arrays:
+            by_sampler = _sampled_outputs(SamplerOutput.from_host(host[:step.num_sample_arrays]), inputs)
+        else:
+            by_sampler = {}
         for s, out in by_sampler.items():
             outputs[inputs.owners[s]] = out
         if inputs.prompt_owner:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.sampling.logprobs import compute_logprobs, top_k_indices
+from cupyspec.sampling.logprobs import logprobs_on_device, top_k_indices
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
 from cupyspec.sampling.sampler import SamplingRow, sample
@@ -184,7 +184,7 @@ def test_logprobs_match_float64_reference() -> None:
     rng = np.random.default_rng(7)
     logits = (rng.normal(size=(6, 3000)) * 4).astype(np.float32)
     targets = rng.integers(0, 3000, size=6)
-    chosen, top_ids, top_lps = compute_logprobs(np, logits, targets, 5)
+    chosen, top_ids, top_lps = logprobs_on_device(np, logits, targets, 5)
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
     np.testing.assert_allclose(chosen, ref[np.arange(6), targets], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=1, kind="stable")[:, :5])
@@ -204,7 +204,7 @@ def test_sample_logprobs_width_is_the_largest_request() -> None:
     rows = [SamplingRow(SamplingParams(logprobs=2, temperature=0.7), 0.3), SamplingRow(SamplingParams(), 0.6),
             SamplingRow(SamplingParams(logprobs=4, temperature=0.0), 0.0)]
     out = sample(np, logits, rows)
-    chosen, top_ids, top_lps = compute_logprobs(np, logits, out.token_ids, 4)
+    chosen, top_ids, top_lps = logprobs_on_device(np, logits, out.token_ids, 4)
     assert out.top_token_ids.shape == (3, 4) and out.top_logprobs.shape == (3, 4)
     np.testing.assert_array_equal(out.top_token_ids, top_ids)
     np.testing.assert_allclose(out.logprobs, chosen, atol=1e-6)
@@ -213,7 +213,7 @@ def test_sample_logprobs_width_is_the_largest_request() -> None:
 
 def test_logprobs_k_larger_than_vocab_is_rejected() -> None:
     with pytest.raises(ValueError, match="k must"):
-        compute_logprobs(np, LOGITS[None], [0], V + 1)
+        logprobs_on_device(np, LOGITS[None], [0], V + 1)
 
 
 def _cupy_or_skip():

@@ -6,8 +6,6 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.transfer import fetch_arrays
-
 
 def stable_argsort(xp: Any, values: Any) -> Any:
     """Ascending argsort along the last axis that keeps equal values in index order.
@@ -105,12 +103,3 @@ def logprobs_on_device(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[An
     x = logits.astype(xp.float32, copy=False)
     return logprobs_at(xp, x, peak[:, None], log_total[:, None], token_ids[:, None])[:, 0], top_ids, top_lps
 
-
-def compute_logprobs(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host arrays (logprob [R] f32, top ids [R, k] int64, top logprobs [R, k] f32), in one transfer.
-
-    For prompt logprobs pass the logits of positions i and token_ids the prompt tokens i + 1.
-    """
-    chosen, top_ids, top_lps = logprobs_on_device(xp, logits, token_ids, k)
-    chosen, top_ids, top_lps = fetch_arrays(xp, [chosen, top_ids, top_lps])
-    return chosen.astype(np.float32), top_ids.astype(np.int64), top_lps.astype(np.float32)
