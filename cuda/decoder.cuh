@@ -7,6 +7,8 @@
 
 #include <cuda_fp16.h>
 
+#include "grid_dependency.cuh"
+
 // 1 / sqrt(mean(row^2) + eps) of row [hidden] fp32 (hidden % 4 == 0, 16-byte aligned, read-only),
 // computed by one warp and returned to every lane: lane l sums the squares of the float4 chunks
 // l, l + 32, ... in order, then the lanes' sums meet in a butterfly (the same bits in every lane).

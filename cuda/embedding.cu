@@ -6,12 +6,16 @@
 
 #include <cuda_fp16.h>
 
+#include "grid_dependency.cuh"
+
 extern "C" __global__ void embed_tokens(
     const half* __restrict__ table,     // [V, H] embedding
     const int* __restrict__ ids,        // [T] token ids, or ~s for previous[s]
     const int* __restrict__ previous,   // [S] tokens sampled by the previous step
     float* __restrict__ out,            // [T, H] fp32
     int hidden) {
+    release_dependent_grid();
+    wait_for_prior_grid();
     const int row = blockIdx.x;
     int id = ids[row];
     if (id < 0) id = previous[~id];

@@ -236,7 +236,9 @@ __device__ __forceinline__ void gemv(const Source& source, const half* __restric
             hi[u] = k_ok && hi_ok ? load_streaming(w_hi + k) : uint4{};
         }
     };
-    load_weights(warp);   // the first round of weights is in flight during the prologue
+    release_dependent_grid();
+    load_weights(warp);   // the first round of weights is in flight during the prologue, and with
+    wait_for_prior_grid();  // programmatic dependent launch while the kernel before still runs
     source.prepare(M);
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -333,6 +335,8 @@ __device__ __forceinline__ void gemm_tc(const half* __restrict__ x, const half* 
     static_assert((BM * CHUNKS) % THREADS == 0 && (BN * CHUNKS) % THREADS == 0, "whole chunks per thread");
     static_assert(STAGES >= 2, "a pipeline");
 
+    release_dependent_grid();
+    wait_for_prior_grid();
     extern __shared__ uint4 shared_raw[];
     half* const sx = reinterpret_cast<half*>(shared_raw);   // [STAGES][BM][LD]
     half* const sw = sx + STAGES * BM * LD;                 // [STAGES][BN][LD]

@@ -23,6 +23,8 @@
 
 #include <cuda_fp16.h>
 
+#include "grid_dependency.cuh"
+
 #define WARP 32
 #define FULL_MASK 0xffffffffu
 #define NUM_WARPS 4
@@ -96,6 +98,7 @@ __device__ __forceinline__ void attend(
   __shared__ float run_s[3][HEADS * DP];  // the fold over partitions (max, sum, acc) per element
   __shared__ bool last_s;                  // split: this CTA is the row's last to finish
 
+  release_dependent_grid();
   const int row = gridDim.x - 1 - blockIdx.x;  // the longest rows of a prefill chunk start first
   const int last = positions[row];
   const int num_parts = last / PARTITION + 1;
@@ -107,6 +110,7 @@ __device__ __forceinline__ void attend(
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int slice = lane % LANES, sub = lane / LANES;  // dims 8*slice.., position sub of a step
   const bool dims_ok = slice * 8 < head_dim;
+  wait_for_prior_grid();  // positions and block tables come before any kernel of the step; q and K/V do not
 
   float qf[HEADS][8];  // q * scale * log2(e): scores in base 2
 #pragma unroll

@@ -13,6 +13,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rms_norm(
     half* __restrict__ out,              // [T, H]
     int num_tokens, int hidden, float eps)  // grid: ceil(T / 4) blocks of 128 threads
 {
+    release_dependent_grid();
+    wait_for_prior_grid();
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= num_tokens) return;
     const float* x = residual + (long long)row * hidden;

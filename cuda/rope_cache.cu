@@ -16,6 +16,8 @@ extern "C" __global__ void rope_cache(
     half* __restrict__ v_cache,          // [slots, Hkv, D]
     int num_tokens, int num_heads, int num_kv_heads, int head_dim)
 {
+    release_dependent_grid();
+    wait_for_prior_grid();
     const RopeCache rope{cos, sin, positions, slots, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim};
     const int half_dim = head_dim / 2, heads = num_heads + 2 * num_kv_heads;
     const long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;

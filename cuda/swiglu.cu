@@ -8,6 +8,8 @@ extern "C" __global__ void swiglu(
     half* __restrict__ out,              // [T, F]
     long long num_tokens, int width)     // width = F
 {
+    release_dependent_grid();
+    wait_for_prior_grid();
     const long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (index >= num_tokens * width) return;
     const long long t = index / width;

@@ -11,7 +11,8 @@ class HostTransfer:
     """Several device arrays of any shapes, brought to the host in ONE copy.
 
     They travel flattened and concatenated as float64, which holds int32/int64 token ids (< 2**53),
-    booleans and float32 values exactly; each comes back as float64 in its own shape. With CuPy the
+    booleans and float32 values exactly; each comes back as float64 in its own shape (a single array
+    travels as it is, in its own dtype: no packing kernels for the tokens of a plain step). With CuPy the
     copy goes asynchronously, on the current stream, into pinned memory, and `result()` waits for
     that copy only, not for work queued on the stream after it (the next step, say).
     """
@@ -22,7 +23,10 @@ class HostTransfer:
         if not arrays:
             self._host = np.empty(0)
             return
-        packed = xp.concatenate([a.astype(xp.float64).ravel() for a in arrays])  # [sum sizes]
+        if len(arrays) == 1:
+            packed = xp.ascontiguousarray(arrays[0]).ravel()  # [size]
+        else:
+            packed = xp.concatenate([a.astype(xp.float64).ravel() for a in arrays])  # [sum sizes]
         if xp is np:
             self._host = packed
             return
@@ -30,7 +34,7 @@ class HostTransfer:
 
         runtime = xp.cuda.runtime
         stream = xp.cuda.get_current_stream()
-        self._host = cupyx.empty_pinned(packed.shape, np.float64)
+        self._host = cupyx.empty_pinned(packed.shape, packed.dtype)
         runtime.memcpyAsync(self._host.ctypes.data, packed.data.ptr, packed.nbytes, runtime.memcpyDeviceToHost,
                             stream.ptr)
         self._event = stream.record()

@@ -128,7 +128,7 @@ def pick_tokens(xp: Any, x: Any, rows: Sequence[SamplingRow], drawn: np.ndarray)
     non-greedy rows, in any order) an inverse-CDF pick with their uniform; their RankedProbs come
     back in that order (None when no row draws).
     """
-    tokens = x.argmax(axis=1).astype(xp.int64)  # [R] greedy; ties to the lowest index
+    tokens = x.argmax(axis=1).astype(xp.int64, copy=False)  # [R] greedy; ties to the lowest index
     if not drawn.size:
         return tokens, None
     uniforms = row_uniforms(xp, rows, drawn)  # [S, 1]
