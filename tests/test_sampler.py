@@ -242,3 +242,19 @@ def test_cupy_matches_numpy() -> None:
     np.testing.assert_array_equal(device.top_token_ids, host.top_token_ids)
     np.testing.assert_allclose(device.logprobs, host.logprobs, atol=1e-4)
     np.testing.assert_allclose(device.top_logprobs, host.top_logprobs, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (7, 1000), (300, 513), (2, 1)])
+def test_argmax_kernel_matches_numpy(rows: int, vocab: int) -> None:
+    import cupy
+
+    from cupyspec.sampling.argmax import argmax_rows
+
+    rng = np.random.default_rng(rows + vocab)
+    x = rng.integers(-3, 4, (rows, vocab)).astype(np.float32)  # many ties at the maximum
+    x[rows // 2, rng.integers(0, vocab, 3)] = np.nan  # NaN counts as largest, the first one wins
+    x[-1, -1] = 1e9 if rows > 1 else x[-1, -1]  # the last column can win
+    got = argmax_rows(cupy, cupy.asarray(x)).get()
+    np.testing.assert_array_equal(got, x.argmax(axis=1))
+    assert got.dtype == np.int64

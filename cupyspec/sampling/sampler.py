@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.logprobs import logprobs_on_device, stable_argsort
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
@@ -128,7 +129,7 @@ def pick_tokens(xp: Any, x: Any, rows: Sequence[SamplingRow], drawn: np.ndarray)
     non-greedy rows, in any order) an inverse-CDF pick with their uniform; their RankedProbs come
     back in that order (None when no row draws).
     """
-    tokens = x.argmax(axis=1).astype(xp.int64, copy=False)  # [R] greedy; ties to the lowest index
+    tokens = argmax_rows(xp, x)  # [R] greedy; ties to the lowest index
     if not drawn.size:
         return tokens, None
     uniforms = row_uniforms(xp, rows, drawn)  # [S, 1]

@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.transfer import fetch_arrays
+from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
+from cupyspec.transfer import fetch_arrays
 
 PLACEHOLDER_TOKEN_ID = -1  # fills the fixed-shape output past each request's emitted tokens
 
@@ -108,7 +109,7 @@ def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
     draft = xp.asarray(layout.tokens)  # [D]
     rows = xp.asarray(layout.rows)  # [D]
     if strategy == "greedy":
-        return target.logits[rows].argmax(axis=1) == draft, None
+        return argmax_rows(xp, target.logits[rows]) == draft, None
     if strategy == "target_match":
         return target.tokens[rows] == draft, None
     p_draft, residual_pick = draft_scores(xp, target, layout, inp.draft_probs, inp.rows, strategy == "rejection")
