@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import re
 import signal
@@ -89,14 +88,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def serve(config: EngineConfig, host: str, port: int, shutdown_timeout: float) -> None:
     """Run until SIGINT or SIGTERM; then stop accepting, let the engine finish or abort its requests."""
     from cupyspec.engine import AsyncEngine
+    from cupyspec.gc_policy import settle_garbage_collector
     from cupyspec.server.app import create_app, start_server
 
     engine = await AsyncEngine.create(config)
     app = create_app(engine)
-    # Everything alive now lives as long as the server: keep it out of the garbage collector's
-    # full passes, which otherwise rescan the whole start-up heap (tens of ms) every few thousand
-    # requests.
-    gc.freeze()
+    settle_garbage_collector()
 
     async def stop_engine(_app: object) -> None:  # runs after the listening sockets are closed
         await engine.shutdown(shutdown_timeout)

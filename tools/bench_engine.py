@@ -19,6 +19,7 @@ import numpy as np
 
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
+from cupyspec.gc_policy import settle_garbage_collector
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.speculative_config import SpeculativeConfig
 
@@ -54,6 +55,7 @@ async def main(args: argparse.Namespace) -> None:
                           scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes),
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
     engine = await AsyncEngine.create(config)
+    settle_garbage_collector()  # as cupyspec-serve does
     try:
         await run_batch(engine, 1, args.prompt_len, 8, seed=0)  # warm-up
         for batch in args.batch_sizes:

@@ -1,0 +1,18 @@
+"""Garbage-collector settings for a serving process: fewer, cheaper collections."""
+
+from __future__ import annotations
+
+import gc
+
+# Young objects are collected every 100,000 net allocations instead of CPython's 700. The engine
+# allocates a few small records per token (and suffix decoding a trie node per token and suffix),
+# almost all freed by reference counting; frequent collections cost it about 40% of its host time
+# per step at 256 sequences. Cyclic garbage waits longer, bounded by that many objects.
+THRESHOLDS = (100_000, 50, 100)
+
+
+def settle_garbage_collector() -> None:
+    """Freeze what is alive now (it lives as long as the process: full collections would rescan
+    the whole start-up heap) and collect young objects less often. Call once, after start-up."""
+    gc.freeze()
+    gc.set_threshold(*THRESHOLDS)
