@@ -257,7 +257,7 @@ class AsyncEngine:
                     launched, previous = await steps.run(self.runner.launch_after, inputs,
                                                          in_flight and in_flight.launched)
                     self.scheduler.on_launched(sched)
-                    self.outputs.hold_places(sched)
+                    self.outputs.hold_places(sched, inputs.owners)
                     if in_flight is not None:
                         self.outputs.process_step(in_flight.sched, previous, held=True)
                     in_flight = _InFlight(sched, launched)

@@ -104,15 +104,13 @@ class OutputProcessor:
         self.metrics.on_request_arrived()
 
     @staticmethod
-    def hold_places(sched: SchedulerOutput) -> None:
+    def hold_places(sched: SchedulerOutput, owners: tuple[int, ...]) -> None:
         """Append to each sampling sequence of a launched plain step the placeholder ~s of its token,
-        which is still on the device (s: its index among the step's sampling sequences, in scheduled
-        order, as in the runner's `sampled_tokens`); process_step(held=True) puts the token there."""
-        s = 0
-        for item in sched.scheduled:
-            if item.samples:
-                item.seq.output_token_ids.append(~s)
-                s += 1
+        which is still on the device: s indexes the step's sampling sequences, whose scheduled indices
+        are `owners` (StepInputs.owners, the order of the runner's `sampled_tokens`).
+        process_step(held=True) puts the token there."""
+        for s, i in enumerate(owners):
+            sched.scheduled[i].seq.output_token_ids.append(~s)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)

@@ -26,11 +26,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def make_engine(path: str, *, kv_blocks: int | None = None, block_size: int = 4, **scheduler) -> AsyncEngine:
+async def make_engine(path: str, *, kv_blocks: int | None = None, block_size: int = 4, overlap_scheduling: bool = True,
+                      **scheduler) -> AsyncEngine:
     cache = CacheConfig(block_size=block_size)
     if kv_blocks is not None:  # size the pool in blocks of the tiny model (fp32: 2 layers x 2 heads x 16)
         cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_blocks * 2 * 2 * block_size * 2 * 16 * 4)
     return await AsyncEngine.create(EngineConfig(model=path, device="cpu", cache=cache,
+                                                 overlap_scheduling=overlap_scheduling,
                                                  scheduler=SchedulerConfig(**scheduler)))
 
 

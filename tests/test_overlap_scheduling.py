@@ -9,11 +9,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.sampling.params import SamplingParams
 from test_engine import collect, prompts
+from test_engine import make_engine as make_tiny_engine
 from tiny_models import tiny_model_paths
 
 
@@ -23,12 +23,8 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 
 async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None) -> AsyncEngine:
-    block_size = 4
-    cache = CacheConfig(block_size=block_size)
-    if kv_blocks is not None:  # fp32 K and V of 2 layers x 2 heads x 16 per position
-        cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_blocks * 2 * 2 * block_size * 2 * 16 * 4)
-    engine = await AsyncEngine.create(EngineConfig(model=path, device="cpu", cache=cache, overlap_scheduling=overlap,
-                                                   scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+    """test_engine's engine (chunked prefill of 16 tokens), counting the steps that overlapped."""
+    engine = await make_tiny_engine(path, kv_blocks=kv_blocks, overlap_scheduling=overlap, max_num_batched_tokens=16)
     engine.overlapped_steps = 0  # steps launched while the step before was still uncollected
     launch_after = engine.runner.launch_after
 
