@@ -86,13 +86,16 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     overlap_logprobs: bool = True  # GPU: logprobs of a speculative step on a second stream, beside verification
     cuda_graphs: bool = True  # GPU: steps of up to 512 rows replay captured CUDA graphs
-    # form and launch step N+1 while step N runs, its tokens fed on the device (not with speculation
-    # or penalties, which need each token on the host first)
+    # form and launch step N+1 while step N runs, its tokens fed on the device (not for a step that
+    # drafts, nor while penalties run: they need each token on the host first)
     overlap_scheduling: bool = True
+    warm_up: bool | None = None  # run requests through every kernel before serving (None: on a GPU only)
     stream_interval: int = 1  # deliver a request's outputs every this many tokens (first and last at once)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.warm_up not in (None, True, False):
+            raise ValueError(f"warm_up must be true, false or None, not {self.warm_up!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, not {self.stream_interval!r}")

@@ -34,6 +34,7 @@ from cupyspec.sequence import Sequence
 from cupyspec.spec.drafter import Drafter
 from cupyspec.spec.factory import make_proposer
 from cupyspec.speculative_config import RequestSpeculation
+from cupyspec.warm_up import warm_up
 from cupyspec.worker import StepThread
 
 log = logging.getLogger("cupyspec")
@@ -122,7 +123,18 @@ class AsyncEngine:
         loaded = await asyncio.to_thread(load_model, config.model)
         engine = await asyncio.to_thread(cls, config, loaded, backend)
         engine._loop_task = asyncio.create_task(engine._run_loop(), name="cupyspec-engine")
+        if config.warm_up if config.warm_up is not None else backend.is_cuda:
+            started = time.perf_counter()
+            await warm_up(engine)
+            engine._forget_warm_up()
+            log.info("warmed up in %.1f s", time.perf_counter() - started)
         return engine
+
+    def _forget_warm_up(self) -> None:
+        """Metrics, learned step costs and the probe schedule start afresh after the warm-up."""
+        self.metrics = self.outputs.metrics = EngineMetrics(self.model_name)
+        if self.drafter is not None:
+            self.drafter = Drafter(self.config.speculative, self.drafter.proposer)
 
     # ---------------------------------------------------------------- requests
 
@@ -222,9 +234,11 @@ class AsyncEngine:
 
     async def _run_loop(self) -> None:
         """Schedule, run, process; with overlap scheduling, step N+1 is formed and launched before the
-        host sees the tokens of step N, which the device feeds to it (runner.py)."""
+        host sees the tokens of step N, which the device feeds to it (runner.py). A step that drafts
+        first waits for the step in flight: the proposers read every token on the host."""
         steps = StepThread("cupyspec-step")
         in_flight: _InFlight | None = None  # a launched step whose tokens the host has not seen yet
+        mark = time.perf_counter()  # when the last step was launched (or the loop woke up)
         try:
             while True:
                 while self._aborts:
@@ -239,10 +253,16 @@ class AsyncEngine:
                         return
                     self._wake.clear()
                     await self._wake.wait()
+                    mark = time.perf_counter()
                     continue
-                started = time.perf_counter()
+                limits = self.drafter.plan(self.scheduler.running, overlap) if self.drafter is not None else {}
+                asking = sum(1 for k in limits.values() if k)
+                if asking and in_flight is not None:
+                    await self._finish_in_flight(steps, in_flight)
+                    in_flight = None
+                    continue
                 if self.drafter is not None:
-                    self.drafter.prepare(self.scheduler.running)
+                    self.drafter.propose(self.scheduler.running, limits)
                 sched = self.scheduler.schedule()
                 self.outputs.finish_ended_by_scheduler(sched.finished)
                 if not sched.scheduled:
@@ -253,7 +273,7 @@ class AsyncEngine:
                         in_flight = None
                     continue
                 inputs = self.runner.prepare(sched)
-                if overlap:
+                if overlap and not inputs.num_drafts.any():
                     launched, previous = await steps.run(self.runner.launch_after, inputs,
                                                          in_flight and in_flight.launched)
                     self.scheduler.on_launched(sched)
@@ -261,14 +281,15 @@ class AsyncEngine:
                     if in_flight is not None:
                         self.outputs.process_step(in_flight.sched, previous, held=True)
                     in_flight = _InFlight(sched, launched)
-                    continue
-                step_outputs = await steps.run(self.runner.run, inputs)
-                self.scheduler.on_launched(sched)
-                self.outputs.process_step(sched, step_outputs)
+                else:
+                    step_outputs = await steps.run(self.runner.run, inputs)
+                    self.scheduler.on_launched(sched)
+                    self.outputs.process_step(sched, step_outputs)
                 if self.drafter is not None:
-                    self.drafter.observe_step(sched.num_tokens, len(sched.scheduled),
-                                              sum(1 for item in sched.scheduled if item.num_lookahead_tokens),
-                                              time.perf_counter() - started)
+                    now = time.perf_counter()
+                    self.drafter.observe_step(sched.num_tokens, len(sched.scheduled), asking, overlap and asking > 0,
+                                              now - mark)
+                    mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine step failed")
             self._closed = True
@@ -281,9 +302,9 @@ class AsyncEngine:
         self.outputs.process_step(in_flight.sched, await steps.run(self.runner.collect, in_flight.launched), held=True)
 
     def _can_overlap(self) -> bool:
-        """Whether the next step may be formed before the host has the tokens of the one in flight:
-        not when proposers or penalties need every token on the host."""
-        return self.config.overlap_scheduling and self.drafter is None and not self.outputs.num_penalized
+        """Whether a draft-free step may be formed before the host has the tokens of the one in flight:
+        not while penalties need every token on the host."""
+        return self.config.overlap_scheduling and not self.outputs.num_penalized
 
     def _on_sequence_finished(self, seq: Sequence) -> None:
         if self.drafter is not None:

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute a speculative step's logprobs after verification, not beside it on a second CUDA stream")
     p.add_argument("--no-overlap-scheduling", action="store_true",
                    help="form each step after the host has the tokens of the one before (for measurement)")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="GPU: skip the start-up requests that compile every kernel (the first requests pay instead)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: launch every kernel from Python instead of replaying captured CUDA graphs")
     p.add_argument("--stream-interval", type=int, default=1,
@@ -81,6 +83,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap_logprobs=not args.no_logprobs_overlap,
         cuda_graphs=not args.enforce_eager,
         overlap_scheduling=not args.no_overlap_scheduling,
+        warm_up=False if args.no_warm_up else None,
         stream_interval=args.stream_interval,
     )
 

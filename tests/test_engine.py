@@ -12,6 +12,7 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import EngineOverloadedError, InvalidRequestError
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.speculative_config import SpeculativeConfig
 from tiny_models import tiny_model_paths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -27,12 +28,13 @@ def run(coro):
 
 
 async def make_engine(path: str, *, kv_blocks: int | None = None, block_size: int = 4, overlap_scheduling: bool = True,
-                      **scheduler) -> AsyncEngine:
+                      speculative: SpeculativeConfig | None = None, **scheduler) -> AsyncEngine:
     cache = CacheConfig(block_size=block_size)
     if kv_blocks is not None:  # size the pool in blocks of the tiny model (fp32: 2 layers x 2 heads x 16)
         cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_blocks * 2 * 2 * block_size * 2 * 16 * 4)
     return await AsyncEngine.create(EngineConfig(model=path, device="cpu", cache=cache,
                                                  overlap_scheduling=overlap_scheduling,
+                                                 speculative=speculative or SpeculativeConfig(),
                                                  scheduler=SchedulerConfig(**scheduler)))
 
 

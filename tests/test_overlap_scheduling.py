@@ -12,6 +12,8 @@ import pytest
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec.step_cost import StepCost
+from cupyspec.speculative_config import SpeculativeConfig
 from test_engine import collect, prompts
 from test_engine import make_engine as make_tiny_engine
 from tiny_models import tiny_model_paths
@@ -22,17 +24,25 @@ def tiny_gguf(tmp_path_factory) -> str:
     return str(tiny_model_paths(tmp_path_factory.mktemp("overlap"), "llama")[1])
 
 
-async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None) -> AsyncEngine:
-    """test_engine's engine (chunked prefill of 16 tokens), counting the steps that overlapped."""
-    engine = await make_tiny_engine(path, kv_blocks=kv_blocks, overlap_scheduling=overlap, max_num_batched_tokens=16)
+async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None,
+                      speculative: SpeculativeConfig | None = None) -> AsyncEngine:
+    """test_engine's engine (chunked prefill of 16 tokens), counting the steps that overlapped and
+    the drafts verified."""
+    engine = await make_tiny_engine(path, kv_blocks=kv_blocks, overlap_scheduling=overlap, speculative=speculative,
+                                    max_num_batched_tokens=16)
     engine.overlapped_steps = 0  # steps launched while the step before was still uncollected
-    launch_after = engine.runner.launch_after
+    engine.verified_drafts = 0
+    launch_after, launch = engine.runner.launch_after, engine.runner.launch
 
     def counting_launch_after(inputs, previous):
         engine.overlapped_steps += previous is not None
         return launch_after(inputs, previous)
 
-    engine.runner.launch_after = counting_launch_after
+    def counting_launch(inputs):
+        engine.verified_drafts += int(inputs.num_drafts.sum())
+        return launch(inputs)
+
+    engine.runner.launch_after, engine.runner.launch = counting_launch_after, counting_launch
     return engine
 
 
@@ -95,6 +105,38 @@ def test_overlap_gives_the_outputs_of_a_step_at_a_time(tiny_gguf):
     assert results[True][5]["finish"] == {0: "stop"} and len(results[True][5]["tokens"][0]) <= 6
     assert overlapped[False] == 0 and overlapped[True] > 20
     assert used == {False: 0, True: 0}
+
+
+def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
+    """A drafting step waits for the step in flight (the proposer reads every token); the steps in
+    between overlap. Whatever the mix, outputs are those of plain decoding one step at a time:
+    `target_match` keeps seeded sampling exact too."""
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_strategy="target_match")
+    costs = {"drafting is free": StepCost(1e-3, 0.0, 0.0, 0.0, 0.0),
+             "drafting costs its overlap": StepCost(1e-3, 0.0, 0.0, 0.0, 1.0)}  # a second per synchronous step
+
+    async def main():
+        plain = await make_engine(tiny_gguf, overlap=False)
+        stop_token = (await collect(plain, prompts(9, 3)[0], SamplingParams(temperature=0.0, max_tokens=14,
+                                                                           ignore_eos=True)))["tokens"][0][5]
+        want = await run_workload(plain, workload(stop_token))
+        await plain.shutdown()
+        got, counts = {}, {}
+        for name, cost in costs.items():
+            engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
+            engine.drafter.step_cost.fit = lambda cost=cost: cost
+            got[name] = await run_workload(engine, workload(stop_token))
+            counts[name] = engine.overlapped_steps, engine.verified_drafts, engine.stats().num_used_kv_blocks
+            await engine.shutdown()
+        return want, got, counts
+
+    want, got, counts = asyncio.run(main())
+    for name in costs:
+        assert_same_outputs(got[name], want)
+    (free_overlapped, free_drafts, free_used), (probe_overlapped, probe_drafts, probe_used) = counts.values()
+    assert free_drafts > probe_drafts  # free: drafts whenever the proposer finds some; costly: probes only
+    assert probe_overlapped > 2 * free_overlapped and probe_overlapped >= 10
+    assert free_used == probe_used == 0
 
 
 def test_a_penalized_request_takes_its_steps_one_at_a_time(tiny_gguf):

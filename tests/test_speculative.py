@@ -187,12 +187,12 @@ def test_request_speculation_setting(tiny_gguf):
     assert param == "speculative.num_speculative_tokens"
 
 
-def _decoding_seq(max_drafts: int, acceptance: float = 1.0, steps_since_draft: int = 0) -> Sequence:
+def _decoding_seq(max_drafts: int, acceptance: float = 1.0, hit_rate: float = 1.0) -> Sequence:
     seq = Sequence("r", 0, [1, 2, 3], SamplingParams(max_tokens=100), 103, 0.0, 0, max_drafts=max_drafts)
     seq.output_token_ids = [4]
     seq.num_computed_tokens = 3
     seq.spec.recent_accepted, seq.spec.recent_tested = acceptance, 1.0
-    seq.spec.steps_since_draft = steps_since_draft
+    seq.spec.recent_found, seq.spec.recent_asked = hit_rate, 1.0
     return seq
 
 
@@ -209,8 +209,7 @@ def test_back_off_rule():
     assert list(draft_limits(mixed, replace(config, max_draft_tokens_per_step=6)).values()) == [1, 0, 5]
     poor = _decoding_seq(5, acceptance=0.1)
     assert list(draft_limits([poor], config).values()) == [0]
-    poor.spec.steps_since_draft = PROBE_INTERVAL
-    assert list(draft_limits([poor], config).values()) == [1]  # a probe
+    assert list(draft_limits([poor], config, probe=True).values()) == [1]  # a probe
     near_end = _decoding_seq(5)
     near_end.max_total_tokens = near_end.num_tokens + 3
     assert list(draft_limits([near_end], config).values()) == [2]  # the step emits at most 3 tokens
@@ -235,6 +234,39 @@ def test_drafts_are_taken_while_they_pay_for_their_time():
     assert best_drafts(acceptance, limits, 256, 27e-3, 1e-3, 0.0).tolist() == [0, 0, 0]
 
 
+def test_a_drafting_step_must_also_pay_for_the_overlap_it_gives_up():
+    acceptance, limits = np.array([0.9]), np.array([5])
+    # one sequence, a 1 ms step: 5 drafts keep 3.69 tokens in expectation for 0.1 ms more
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6).tolist() == [5]
+    # giving up overlap costs 2 ms: (1 + 3.69) / 3.1 ms still beats 1 / 1 ms
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6, per_drafting_step=2e-3).tolist() == [5]
+    # at 4 ms it does not: (1 + 3.69) / 5.1 ms < 1 / 1 ms
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6, per_drafting_step=4e-3).tolist() == [0]
+    # a proposer that finds drafts one time in five: 0.2 * 3.69 kept for 2.1 ms more does not pay
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6, per_drafting_step=2e-3,
+                       hit_rate=np.array([0.2])).tolist() == [0]
+
+
+def test_probes_and_misses_in_the_back_off_rule():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    cost = StepCost(1e-3, 10e-6, 0.0, 50e-6, 2e-3)
+    missing = [_decoding_seq(5, acceptance=0.9, hit_rate=0.2), _decoding_seq(5, acceptance=0.9)]
+    # overlapped, the sequence whose proposer mostly misses makes drafting not pay; one step at a
+    # time there is no overlap to give up
+    assert list(draft_limits(missing[:1], config, cost, can_overlap=True).values()) == [0]
+    assert list(draft_limits(missing[:1], config, cost, can_overlap=False).values()) == [5]
+    assert list(draft_limits(missing, config, cost, can_overlap=True).values()) == [5, 5]
+    # a probe step asks every decoding sequence for at least one draft
+    assert list(draft_limits(missing[:1], config, cost, probe=True, can_overlap=True).values()) == [1]
+
+
+def test_proposal_hit_rate():
+    seq = _decoding_seq(5)
+    seq.spec.record_proposal(False)
+    seq.spec.record_proposal(True)
+    assert seq.spec.proposal_hit_rate == pytest.approx((0.7 * 0.7 + 1) / (0.7 * 0.7 + 0.7 + 1))
+
+
 def test_the_step_cost_fit_recovers_the_terms():
     model, rng = StepCostModel(), np.random.default_rng(0)
     assert model.fit() is None  # too few steps
@@ -242,8 +274,9 @@ def test_the_step_cost_fit_recovers_the_terms():
         seqs = int(rng.integers(1, 257))
         drafting = int(rng.integers(0, seqs + 1))
         rows = seqs + drafting * int(rng.integers(1, 6))
-        model.observe(rows, seqs, drafting, 1e-3 + 4e-6 * rows + 30e-6 * seqs + 50e-6 * drafting)
-    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 30e-6, 50e-6), rel=1e-6)
+        synced = drafting > 0 and rng.random() < 0.7
+        model.observe(rows, seqs, drafting, synced, 1e-3 + 4e-6 * rows + 30e-6 * seqs + 50e-6 * drafting + 2e-4 * synced)
+    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 30e-6, 50e-6, 2e-4), rel=1e-6)
 
 
 def test_learned_costs_drive_the_back_off(tiny_gguf):
@@ -254,9 +287,9 @@ def test_learned_costs_drive_the_back_off(tiny_gguf):
         await engine.shutdown()
         return out["out"].speculate_metrics
 
-    free = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 0.0)))
+    free = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)))
     assert len(free.accepted_per_position) == 3  # drafts that cost nothing: full steps of 3 drafts
-    costly = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 1.0)))  # a second per drafting sequence
+    costly = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 1.0, 0.0)))  # a second per drafting sequence
     assert costly.num_draft_tokens <= costly.num_steps // PROBE_INTERVAL + 1  # one-draft probes only
     assert len(costly.accepted_per_position) <= 1
 

@@ -3,15 +3,19 @@
 1. A sequence drafts up to its limit: the server's `num_speculative_tokens`, lowered by the
    request's own setting and by the tokens it may still emit (a step emits drafts + 1).
 2. Its recent draft acceptance a (the share of tested drafts accepted, weighted towards recent
-   steps) says how much a draft is worth: draft i of the step is kept with probability a^i.
-   Below `min_acceptance_rate` it stops drafting, except for a one-draft probe every
-   `PROBE_INTERVAL` steps that lets its estimate recover.
-3. Drafts cost time: the engine learns what a step costs per row and per drafting sequence
-   (`StepCostModel`). Each step takes the drafts that maximize the expected tokens emitted per
-   second of the step (the ratio is maximized exactly, by Dinkelbach's iteration). With few
-   sequences a step's time hardly grows with its rows and every useful draft is taken; as the
-   batch grows, a draft must be likelier to be kept to pay for itself, and under full load
-   speculation stops, but for the same one-draft probes, which keep the costs measured.
+   steps) says how much a draft is worth: draft i of the step is kept with probability a^i. Its
+   recent hit rate h (the share of its proposer's answers that held any draft) discounts that: the
+   expected kept drafts of k asked for are h * (a + a^2 + ... + a^k).
+   Below `min_acceptance_rate` it stops drafting, except for one-draft probes that let its
+   estimate recover: every `PROBE_INTERVAL`-th engine step probes, for all sequences at once.
+3. Drafts cost time: the engine learns what a step costs per row, per drafting sequence, and for
+   giving up overlap scheduling (`StepCostModel`): a step without drafts is launched before the
+   host has seen the tokens of the step before, a drafting step waits for them. Each step takes the
+   drafts that maximize the expected tokens emitted per second of the step (the ratio is maximized
+   exactly, by Dinkelbach's iteration), or none when a draft-free step emits more per second.
+   With few sequences and repetitive text every useful draft is taken; as the batch grows, or
+   proposals miss, a draft must be likelier to be kept to pay for itself, and speculation stops
+   but for the probes, which keep the costs measured.
 4. A step holds at most `max_draft_tokens_per_step` drafts in all: the likeliest ones.
 """
 
@@ -29,20 +33,26 @@ PROBE_INTERVAL = 8
 DINKELBACH_ITERATIONS = 16
 
 
-def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None) -> dict[int, int]:
-    """seq_id -> the most drafts that decoding sequence may propose now (`cost`: None before it is learned)."""
+def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None,
+                 probe: bool = False, can_overlap: bool = False) -> dict[int, int]:
+    """seq_id -> the most drafts that decoding sequence may ask for now.
+
+    cost: None before it is learned; probe: every sequence asks for at least one draft (a probe
+    step); can_overlap: a draft-free step would run overlapped, so drafting gives that up.
+    """
     decoding = [s for s in running if s.num_uncomputed_tokens == 1 and s.output_token_ids]
     if not decoding:
         return {}
     acceptance = np.array([s.spec.draft_acceptance for s in decoding])  # [S]
+    hit_rate = np.array([s.spec.proposal_hit_rate for s in decoding])  # [S]
     limits = np.array([max(0, min(s.max_drafts, s.max_total_tokens - s.num_tokens - 1)) for s in decoding])  # [S]
     poor = acceptance < config.min_acceptance_rate
-    probing = np.array([s.spec.steps_since_draft >= PROBE_INTERVAL for s in decoding])
-    limits = np.where(poor, np.minimum(limits, probing.astype(int)), limits)
+    limits = np.where(poor, np.minimum(limits, int(probe)), limits)
     if cost is not None and limits.any():
-        chosen = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running), 0),
-                             cost.per_row, cost.per_drafting_seq)
-        limits = np.where(probing, np.minimum(limits, np.maximum(chosen, 1)), chosen)
+        chosen = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running)),
+                             cost.per_row, cost.per_drafting_seq, cost.per_synced_step if can_overlap else 0.0,
+                             hit_rate)
+        limits = np.minimum(limits, np.maximum(chosen, 1)) if probe else chosen
     limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
     return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
 
@@ -53,21 +63,29 @@ def _kept(acceptance: np.ndarray, width: int) -> np.ndarray:
 
 
 def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, base_seconds: float,
-                per_row: float, per_drafting_seq: float) -> np.ndarray:
+                per_row: float, per_drafting_seq: float, per_drafting_step: float = 0.0,
+                hit_rate: np.ndarray | None = None) -> np.ndarray:
     """Drafts [S] per sequence, each within limits [S], that maximize
-    (base_tokens + expected kept drafts) / (base_seconds + per_drafting_seq * drafting + per_row * drafts).
+    (base_tokens + expected kept drafts)
+    / (base_seconds + per_drafting_step * [any drafts] + per_drafting_seq * drafting + per_row * drafts),
+    where k drafts asked of sequence s keep hit_rate[s] * (a + ... + a^k) in expectation (hit rate 1
+    when None).
 
     Dinkelbach: for the current ratio r, each sequence independently takes the k maximizing
     (expected kept of its k drafts) - r * (cost of k drafts); r is then re-evaluated, and grows
-    until no sequence changes its choice.
+    until no sequence changes its choice. With the step's own cost charged from the start, that
+    finds the best drafting choice; it is kept if it beats a step without drafts.
     """
     width = int(limits.max())
     count = np.arange(1, width + 1)  # [K]
     gain = np.cumsum(_kept(acceptance, width), axis=1)  # [S, K]: expected kept with k = 1..K drafts
+    if hit_rate is not None:
+        gain *= hit_rate[:, None]
     cost = per_drafting_seq + per_row * count  # [K]
     allowed = count[None, :] <= limits[:, None]  # [S, K]
     take = np.zeros(len(limits), dtype=int)
-    ratio = base_tokens / max(base_seconds, 1e-9)
+    drafting_seconds = base_seconds + per_drafting_step
+    ratio = base_tokens / max(drafting_seconds, 1e-9)
     for _ in range(DINKELBACH_ITERATIONS):
         value = np.where(allowed, gain - ratio * cost[None, :], 0.0)  # [S, K]
         best = value.argmax(axis=1)  # [S]
@@ -77,7 +95,9 @@ def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, 
         take = choice
         drafting = take > 0
         ratio = ((base_tokens + gain[drafting, take[drafting] - 1].sum())
-                 / max(base_seconds + cost[take[drafting] - 1].sum(), 1e-9))
+                 / max(drafting_seconds + cost[take[drafting] - 1].sum(), 1e-9))
+    if ratio <= base_tokens / max(base_seconds, 1e-9):  # a draft-free step does better
+        take[:] = 0
     return take
 
 

@@ -21,15 +21,15 @@ class SpecStats:
     # accepted test as the prior.
     recent_accepted: float = 1.0
     recent_tested: float = 1.0
-    steps_since_draft: int = 0
+    # Recent share of the proposer's answers that held any draft, weighted the same way; one hit as the prior.
+    recent_found: float = 1.0
+    recent_asked: float = 1.0
 
     def record(self, accepted: tuple[bool, ...], num_emitted: int) -> None:
         self.num_steps += 1
         self.num_emitted_tokens += num_emitted
         if not accepted:
-            self.steps_since_draft += 1
             return
-        self.steps_since_draft = 0
         num_accepted = accepted.index(False) if False in accepted else len(accepted)
         self.num_draft_tokens += len(accepted)
         self.num_accepted_tokens += num_accepted
@@ -40,6 +40,11 @@ class SpecStats:
         tested = num_accepted + (num_accepted < len(accepted))
         self.recent_accepted = ACCEPTANCE_DECAY * self.recent_accepted + num_accepted
         self.recent_tested = ACCEPTANCE_DECAY * self.recent_tested + tested
+
+    def record_proposal(self, found: bool) -> None:
+        """The proposer was asked for drafts; `found`: it proposed at least one."""
+        self.recent_found = ACCEPTANCE_DECAY * self.recent_found + found
+        self.recent_asked = ACCEPTANCE_DECAY * self.recent_asked + 1.0
 
     def add(self, other: SpecStats) -> None:
         self.num_steps += other.num_steps
@@ -55,6 +60,11 @@ class SpecStats:
     def draft_acceptance(self) -> float:
         """The recent probability that a draft is accepted once the drafts before it are."""
         return self.recent_accepted / self.recent_tested
+
+    @property
+    def proposal_hit_rate(self) -> float:
+        """The recent probability that asking the proposer yields drafts at all."""
+        return self.recent_found / self.recent_asked
 
     @property
     def acceptance_rate(self) -> float:

@@ -1,10 +1,14 @@
-"""What an engine step costs, learned online: seconds = fixed + per row + per sequence + per drafting sequence.
+"""What an engine step costs, learned online:
+seconds = fixed + per row + per sequence + per drafting sequence + per synchronous drafting step.
 
-The engine reports each step's wall time (scheduling, forward pass, sampling or verification,
-output processing: everything the loop does per step) with its rows, its sequences and how many of
-them drafted. An exponentially weighted least-squares fit of those four terms gives the back-off
-rule (`cupyspec/spec/policy.py`) the price of a draft row and of a sequence that drafts at all,
-on this machine, model and load.
+The engine reports, for each step, the wall time since the step before (scheduling, forward pass,
+sampling or verification, output processing, and any wait for the step before to drain: everything
+the loop spends per step) with its rows, its sequences, how many of them asked for drafts, and
+whether drafting made the step give up overlap scheduling (a draft-free step is launched before
+the host has the tokens of the step before; a drafting step waits for them, since the proposers
+read every token). An exponentially weighted least-squares fit of those five terms gives the
+back-off rule (`cupyspec/spec/policy.py`) the price of a draft row, of a sequence that drafts at
+all, and of a step that drafts, on this machine, model and load.
 """
 
 from __future__ import annotations
@@ -20,32 +24,35 @@ OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times it
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per step: fixed + per_row * rows + per_seq * sequences + per_drafting_seq * drafting."""
+    """Seconds per step: fixed + per_row * rows + per_seq * sequences + per_drafting_seq * drafting
+    + per_synced_step * synced (1 for a step that gave up overlap scheduling to draft, else 0)."""
 
     fixed: float
     per_row: float
     per_seq: float
     per_drafting_seq: float
+    per_synced_step: float = 0.0
 
-    def seconds(self, rows: float, seqs: float, drafting: float) -> float:
-        return self.fixed + self.per_row * rows + self.per_seq * seqs + self.per_drafting_seq * drafting
+    def seconds(self, rows: float, seqs: float, drafting: float = 0, synced: bool = False) -> float:
+        return (self.fixed + self.per_row * rows + self.per_seq * seqs + self.per_drafting_seq * drafting
+                + self.per_synced_step * synced)
 
 
 class StepCostModel:
     """Exponentially weighted least squares over the steps observed so far."""
 
     def __init__(self) -> None:
-        self._gram = np.zeros((4, 4))  # [4, 4] weighted sum of x x^T
-        self._moment = np.zeros(4)  # [4] weighted sum of x * seconds
+        self._gram = np.zeros((5, 5))  # [5, 5] weighted sum of x x^T
+        self._moment = np.zeros(5)  # [5] weighted sum of x * seconds
         self.num_steps = 0
         self._fit: StepCost | None = None
 
-    def observe(self, rows: int, seqs: int, drafting: int, seconds: float) -> None:
+    def observe(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
         garbage collection) is capped, so that one hiccup does not stop speculation for long."""
         if self._fit is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, drafting))
-        x = np.array([1.0, rows, seqs, drafting])  # [4]
+            seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, drafting, synced))
+        x = np.array([1.0, rows, seqs, drafting, float(synced)])  # [5]
         self._gram = DECAY * self._gram + np.outer(x, x)
         self._moment = DECAY * self._moment + x * seconds
         self.num_steps += 1

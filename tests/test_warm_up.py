@@ -1,0 +1,51 @@
+"""The start-up warm-up runs every step path, verification included, and leaves no trace: no
+metrics, no learned costs, no KV held, and the same outputs afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cupyspec.config import CacheConfig, EngineConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.speculative_config import SpeculativeConfig
+from test_engine import collect, prompts
+from tiny_models import tiny_model_paths
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    return str(tiny_model_paths(tmp_path_factory.mktemp("warm_up"), "llama")[1])
+
+
+def test_the_warm_up_verifies_drafts_then_leaves_no_trace(tiny_gguf, monkeypatch):
+    during: dict[str, float] = {}
+    forget = AsyncEngine._forget_warm_up
+
+    def recording_forget(engine: AsyncEngine) -> None:
+        during["requests"] = engine.metrics.requests_arrived.value()
+        during["drafts"] = engine.metrics.spec_drafts.value()
+        during["cost_steps"] = engine.drafter.step_cost.num_steps
+        forget(engine)
+
+    monkeypatch.setattr(AsyncEngine, "_forget_warm_up", recording_forget)
+    requests = [(prompts(2, 7)[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
+                (prompts(2, 7)[1], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))]  # no seed
+
+    async def outputs(warm: bool) -> tuple[list[dict], AsyncEngine]:
+        config = EngineConfig(model=tiny_gguf, device="cpu", cache=CacheConfig(block_size=4), warm_up=warm,
+                              speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+        engine = await AsyncEngine.create(config)
+        fresh = (engine.metrics.requests_arrived.value(), engine.drafter.step_cost.num_steps,
+                 engine.stats().num_used_kv_blocks, len(engine.outputs.requests))
+        results = [await collect(engine, p, params) for p, params in requests]
+        await engine.shutdown()
+        return [(r["tokens"], r["text"]) for r in results], fresh
+
+    warm, fresh = asyncio.run(outputs(True))
+    assert during["requests"] == 4 and during["drafts"] > 0 and during["cost_steps"] > 0
+    assert fresh == (0, 0, 0, 0)
+    cold, _ = asyncio.run(outputs(False))
+    assert warm == cold
