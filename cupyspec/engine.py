@@ -33,6 +33,7 @@ from cupyspec.scheduler import Scheduler, SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.spec.drafter import Drafter
 from cupyspec.spec.factory import make_proposer
+from cupyspec.spec.stats import SpecStats
 from cupyspec.speculative_config import RequestSpeculation
 from cupyspec.warm_up import warm_up
 from cupyspec.worker import StepThread
@@ -40,6 +41,7 @@ from cupyspec.worker import StepThread
 log = logging.getLogger("cupyspec")
 
 CPU_KV_CACHE_BYTES = 1 << 30
+IDLE_SLICE_SECONDS = 0.005  # deferred proposer work done between checks for new requests, when idle
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class AsyncEngine:
         now = time.monotonic()
         seqs = [Sequence(request_id=request_id, choice_index=i, prompt_token_ids=list(token_ids), params=params,
                          max_total_tokens=len(token_ids) + max_output, arrival_time=now,
-                         sampling_key=self._sampling_key(params, i), max_drafts=max_drafts)
+                         sampling_key=self._sampling_key(params, i), max_drafts=max_drafts,
+                         spec=self.drafter.new_stats() if self.drafter is not None else SpecStats())
                 for i in range(params.n)]
         request = RequestState(
             request_id=request_id, prompt_token_ids=tuple(token_ids), seqs=seqs,
@@ -251,6 +254,9 @@ class AsyncEngine:
                 if not self.scheduler.has_work:
                     if self._closed:
                         return
+                    if self.drafter is not None and self.drafter.catch_up(IDLE_SLICE_SECONDS):
+                        await asyncio.sleep(0)  # more deferred proposer work: a slice at a time, requests first
+                        continue
                     self._wake.clear()
                     await self._wake.wait()
                     mark = time.perf_counter()
@@ -286,10 +292,11 @@ class AsyncEngine:
                     self.scheduler.on_launched(sched)
                     self.outputs.process_step(sched, step_outputs)
                 if self.drafter is not None:
+                    self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
                     self.drafter.observe_step(sched.num_tokens, len(sched.scheduled), asking, overlap and asking > 0,
-                                              now - mark)
-                    mark = now
+                                              now - mark, self.runner.device_wait)
+                    mark, self.runner.device_wait = now, 0.0
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine step failed")
             self._closed = True

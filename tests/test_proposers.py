@@ -214,6 +214,7 @@ def test_suffix_incremental_proposals_match_a_reference_and_a_fresh_build() -> N
             ctx += [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
             if rng.random() < 0.15:
                 proposer.on_sequence_finished(sid, f"r{step}", np.array(ctx), 1)
+                proposer.catch_up()
                 if max_cached != 0 and len(ctx) > 1:
                     cached[f"r{step}"] = ctx[1:]
                     while 0 < max_cached < len(cached):
@@ -240,6 +241,7 @@ def _accepted_drafts(proposer: Proposer, seq_id: int, request_id: str, prompt: l
         accepted += n
         ctx += truth[: n + 1]
     proposer.on_sequence_finished(seq_id, request_id, np.array(ctx), len(prompt))
+    proposer.catch_up()
     return accepted
 
 
@@ -264,13 +266,38 @@ def test_suffix_global_matches_follow_insertions_and_evictions() -> None:
     x = list(range(50, 70))
     proposer = SuffixProposer(64, 2, 1.0, 0.1)
     proposer.on_sequence_finished(9, "a", np.array([1] + x), 1)
+    proposer.catch_up()
     ctx = [1, 2, 3] + x[:5]  # the tail matches inside the cached output
     assert ask(proposer, ctx, k=3) == x[5:8]
     proposer.on_sequence_finished(8, "b", np.array([1] + x[:8] + [99, 98]), 1)  # shares x[:8], then 99
+    proposer.catch_up()
     ctx += x[5:6]
     assert ask(proposer, ctx, k=4) == x[6:10] == _suffix_reference(ctx, [x, x[:8] + [99, 98]], 64, 4, 1.0, 0.1)
     proposer.on_sequence_finished(7, "c", np.array([1, 5, 5]), 1)  # evicts "a": only "b" still has x[:8]
+    proposer.catch_up()
     assert ask(proposer, ctx, k=4) == x[6:8] + [99, 98]
+
+
+def test_suffix_caches_finished_outputs_a_chunk_at_a_time() -> None:
+    """The engine moves finished outputs into the global trie when it has time: until then they
+    are not proposed from; each catch_up step adds INSERT_CHUNK tokens."""
+    proposer = SuffixProposer(64, -1, 1.0, 0.1)
+    proposer.on_sequence_finished(0, "a", np.array([1, 2, 3] + RESPONSE), 3)
+    early, late = [9] + RESPONSE[:5], [9] + RESPONSE[40:45]  # tails inside the first chunk, and after it
+    assert ask(proposer, early, k=3, seq_id=1) == []
+    assert proposer.catch_up(0.0)  # one chunk of 32 tokens; 28 left
+    assert ask(proposer, early, k=3, seq_id=2) == RESPONSE[5:8]
+    assert ask(proposer, late, k=3, seq_id=3) == []
+    assert not proposer.catch_up(0.0)
+    assert ask(proposer, late, k=3, seq_id=4) == RESPONSE[45:48]
+
+
+def test_suffix_drops_waiting_outputs_beyond_the_cache_limit() -> None:
+    proposer = SuffixProposer(64, 1, 1.0, 0.1)
+    proposer.on_sequence_finished(0, "a", np.array([1] + RESPONSE), 1)
+    proposer.on_sequence_finished(1, "b", np.array([1, 7, 7, 7]), 1)  # "a" waited: dropped, never inserted
+    assert not proposer.catch_up()
+    assert ask(proposer, [9] + RESPONSE[:5], k=3, seq_id=2) == []
 
 
 def test_suffix_rebuilds_a_sequence_whose_history_changed() -> None:

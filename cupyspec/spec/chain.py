@@ -47,6 +47,9 @@ class ChainProposer(Proposer):
         self.first.on_sequence_finished(seq_id, request_id, token_ids, num_prompt_tokens)
         self.second.on_sequence_finished(seq_id, request_id, token_ids, num_prompt_tokens)
 
+    def catch_up(self, seconds: float | None = None) -> bool:
+        return self.first.catch_up(seconds) | self.second.catch_up(seconds)
+
 
 def _join(head: Drafts, tail: Drafts) -> Drafts:
     if not len(tail):

@@ -1,16 +1,33 @@
-"""Before each step: decide who drafts (the back-off rule), then ask the proposer for drafts."""
+"""Before each step: decide who drafts (the back-off rule), then ask the proposer for drafts.
+After each step: shadow probes keep the acceptance estimates of sequences that do not draft, and
+the proposer catches up on deferred bookkeeping.
+
+While nobody drafts, this bookkeeping is overhead: evaluating the rule again, shadow probing and
+the proposer's catching up share a budget of the host's idle time (while it waits for the device, the host work is free)
+plus OVERHEAD_SHARE of the engine's step time, so that a speculating engine under a load where
+speculation does not pay, which keeps the host busy, runs within a few percent of one that does
+not speculate.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 
 import numpy as np
 
 from cupyspec.sequence import Sequence
-from cupyspec.spec.policy import PROBE_INTERVAL, draft_limits
+from cupyspec.spec.policy import draft_limits
 from cupyspec.spec.proposer import DraftRequest, Proposer
+from cupyspec.spec.shadow import ShadowProbes
+from cupyspec.spec.stats import SpecStats
 from cupyspec.spec.step_cost import StepCostModel
 from cupyspec.speculative_config import SpeculativeConfig
+
+OVERHEAD_SHARE = 0.03  # of each step's wall time, for re-planning and shadow probes while nobody drafts
+OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
+SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
+PRIOR_DECAY = 0.9  # weight kept by the server-wide estimates at each finished sequence
 
 
 class Drafter:
@@ -23,22 +40,48 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
         self.step_cost = StepCostModel()  # what rows and drafting cost, for the back-off rule
-        self.num_steps = 0  # engine steps observed; every PROBE_INTERVAL-th one probes
+        self.num_steps = 0  # engine steps observed
+        self.shadows = ShadowProbes()
+        self._quiet = False  # the last plan drafted nothing
+        self._asked: set[int] = set()  # seq_ids asked for drafts this step
+        self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
+        # server-wide draft acceptance and hit rate of recently finished sequences: a new one's prior
+        self._acceptance, self._hit_rate = 1.0, 1.0
 
-    def observe_step(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float) -> None:
+    def new_stats(self) -> SpecStats:
+        """A new sequence's counters: with the cost-aware rule it expects what recent sequences got,
+        until it learns its own; with the fixed rules it expects every draft to be accepted."""
+        if not self.config.cost_aware_backoff:
+            return SpecStats()
+        return SpecStats.expecting(self._acceptance, self._hit_rate)
+
+    def observe_step(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float,
+                     idle: float = 0.0) -> None:
         """One engine step's wall time, with its rows, sequences, how many of them asked for drafts,
-        and whether drafting made it give up overlap scheduling."""
+        and whether drafting made it give up overlap scheduling; `idle`: seconds of it the host
+        spent waiting for the device."""
         self.step_cost.observe(rows, seqs, drafting, synced, seconds)
         self.num_steps += 1
+        self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + idle)
 
     def plan(self, running: Seq[Sequence], can_overlap: bool) -> dict[int, int]:
-        """seq_id -> drafts to ask for this step (the back-off rule; see policy.py)."""
+        """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). After a plan
+        without drafts the cost-aware rule is evaluated again only within the overhead budget
+        (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly."""
+        if self._quiet and self._budget <= 0 and self.config.cost_aware_backoff:
+            return {}
+        started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
-        return draft_limits(running, self.config, cost, self.num_steps % PROBE_INTERVAL == 0, can_overlap)
+        limits = draft_limits(running, self.config, cost, can_overlap)
+        self._quiet = not any(limits.values())
+        if self._quiet:
+            self._budget -= time.perf_counter() - started
+        return limits
 
     def propose(self, running: Seq[Sequence], limits: dict[int, int]) -> None:
         """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none."""
         asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0]
+        self._asked = {seq.seq_id for seq in asking}
         for seq in running:
             seq.draft_token_ids = []
         if not asking:
@@ -49,6 +92,26 @@ class Drafter:
             seq.draft_token_ids = drafts.token_ids[:limits[seq.seq_id]].tolist()
             seq.spec.record_proposal(bool(seq.draft_token_ids))
 
+    def after_step(self, running: Seq[Sequence]) -> None:
+        """Shadow probes (shadow.py) of the sequences not asked for drafts, then the proposer's
+        deferred bookkeeping: under the cost-aware rule within the overhead budget (a few sequences
+        a step), else all that are due."""
+        if not self.config.cost_aware_backoff:
+            self.shadows.probe(running, self.proposer, self._asked)
+            self.proposer.catch_up()
+        elif self._budget > 0:
+            started = time.perf_counter()
+            self.shadows.probe(running, self.proposer, self._asked, SHADOWS_PER_STEP)
+            self.proposer.catch_up(max(0.0, self._budget - (time.perf_counter() - started)))
+            self._budget -= time.perf_counter() - started
+
+    def catch_up(self, seconds: float) -> bool:
+        """The proposer's deferred bookkeeping, for about `seconds` (the engine is idle); whether some is left."""
+        return self.proposer.catch_up(seconds)
+
     def on_sequence_finished(self, seq: Sequence) -> None:
+        self.shadows.forget(seq.seq_id)
+        self._acceptance = PRIOR_DECAY * self._acceptance + (1 - PRIOR_DECAY) * seq.spec.draft_acceptance
+        self._hit_rate = PRIOR_DECAY * self._hit_rate + (1 - PRIOR_DECAY) * seq.spec.proposal_hit_rate
         self.proposer.on_sequence_finished(seq.seq_id, seq.request_id, np.asarray(seq.token_ids, dtype=np.int32),
                                            seq.num_prompt_tokens)

@@ -6,16 +6,17 @@
    steps) says how much a draft is worth: draft i of the step is kept with probability a^i. Its
    recent hit rate h (the share of its proposer's answers that held any draft) discounts that: the
    expected kept drafts of k asked for are h * (a + a^2 + ... + a^k).
-   Below `min_acceptance_rate` it stops drafting, except for one-draft probes that let its
-   estimate recover: every `PROBE_INTERVAL`-th engine step probes, for all sequences at once.
+   Below `min_acceptance_rate` it stops drafting. A sequence that does not draft keeps both
+   estimates current through shadow probes (`cupyspec/spec/shadow.py`): now and then its proposer is
+   asked for drafts that are not verified but scored, steps later, against the tokens emitted
+   since, which costs the device nothing.
 3. Drafts cost time: the engine learns what a step costs per row, per drafting sequence, and for
    giving up overlap scheduling (`StepCostModel`): a step without drafts is launched before the
    host has seen the tokens of the step before, a drafting step waits for them. Each step takes the
    drafts that maximize the expected tokens emitted per second of the step (the ratio is maximized
    exactly, by Dinkelbach's iteration), or none when a draft-free step emits more per second.
    With few sequences and repetitive text every useful draft is taken; as the batch grows, or
-   proposals miss, a draft must be likelier to be kept to pay for itself, and speculation stops
-   but for the probes, which keep the costs measured.
+   proposals miss, a draft must be likelier to be kept to pay for itself, and speculation stops.
 4. A step holds at most `max_draft_tokens_per_step` drafts in all: the likeliest ones.
 """
 
@@ -29,16 +30,15 @@ from cupyspec.sequence import Sequence
 from cupyspec.spec.step_cost import StepCost
 from cupyspec.speculative_config import SpeculativeConfig
 
-PROBE_INTERVAL = 8
 DINKELBACH_ITERATIONS = 16
 
 
 def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None,
-                 probe: bool = False, can_overlap: bool = False) -> dict[int, int]:
+                 can_overlap: bool = False) -> dict[int, int]:
     """seq_id -> the most drafts that decoding sequence may ask for now.
 
-    cost: None before it is learned; probe: every sequence asks for at least one draft (a probe
-    step); can_overlap: a draft-free step would run overlapped, so drafting gives that up.
+    cost: None before it is learned; can_overlap: a draft-free step would run overlapped, so
+    drafting gives that up.
     """
     decoding = [s for s in running if s.num_uncomputed_tokens == 1 and s.output_token_ids]
     if not decoding:
@@ -46,13 +46,11 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
     acceptance = np.array([s.spec.draft_acceptance for s in decoding])  # [S]
     hit_rate = np.array([s.spec.proposal_hit_rate for s in decoding])  # [S]
     limits = np.array([max(0, min(s.max_drafts, s.max_total_tokens - s.num_tokens - 1)) for s in decoding])  # [S]
-    poor = acceptance < config.min_acceptance_rate
-    limits = np.where(poor, np.minimum(limits, int(probe)), limits)
+    limits = np.where(acceptance < config.min_acceptance_rate, 0, limits)
     if cost is not None and limits.any():
-        chosen = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running)),
+        limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running)),
                              cost.per_row, cost.per_drafting_seq, cost.per_synced_step if can_overlap else 0.0,
                              hit_rate)
-        limits = np.minimum(limits, np.maximum(chosen, 1)) if probe else chosen
     limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
     return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
 

@@ -80,7 +80,13 @@ class Proposer(abc.ABC):
         """One `Drafts` per request, in order, each with at most `max_drafts` tokens."""
 
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
-        """Called once when a sequence finishes or is aborted; `token_ids` is its prompt + output."""
+        """Called once when a sequence finishes or is aborted; `token_ids` is its prompt + output.
+        Bookkeeping that can wait (caching the output for later requests) may be left to `catch_up`."""
+
+    def catch_up(self, seconds: float | None = None) -> bool:
+        """Do deferred bookkeeping for about `seconds` (None: all of it); whether some is left.
+        The engine calls it when the host has time to spare."""
+        return False
 
 
 class NaiveProposer(Proposer):

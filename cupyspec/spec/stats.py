@@ -25,7 +25,13 @@ class SpecStats:
     recent_found: float = 1.0
     recent_asked: float = 1.0
 
+    @classmethod
+    def expecting(cls, acceptance: float, hit_rate: float) -> SpecStats:
+        """Fresh counters whose recent estimates start, with the weight of one observation, at these."""
+        return cls(recent_accepted=acceptance, recent_found=hit_rate)
+
     def record(self, accepted: tuple[bool, ...], num_emitted: int) -> None:
+        """A decode step: its drafts' verdicts (empty: it drafted none) and the tokens it emitted."""
         self.num_steps += 1
         self.num_emitted_tokens += num_emitted
         if not accepted:
@@ -37,7 +43,12 @@ class SpecStats:
             self.accepted_per_position += [0] * (len(accepted) - len(self.accepted_per_position))
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
-        tested = num_accepted + (num_accepted < len(accepted))
+        self.learn(num_accepted, len(accepted))
+
+    def learn(self, num_accepted: int, num_drafts: int) -> None:
+        """Update the recent acceptance with a run of `num_drafts` drafts whose first `num_accepted`
+        held (verified, or scored against the tokens emitted since: a shadow probe)."""
+        tested = num_accepted + (num_accepted < num_drafts)
         self.recent_accepted = ACCEPTANCE_DECAY * self.recent_accepted + num_accepted
         self.recent_tested = ACCEPTANCE_DECAY * self.recent_tested + tested
 

