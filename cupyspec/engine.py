@@ -115,6 +115,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._closed = False
         self._loop_task: asyncio.Task | None = None
+        self._in_flight: _InFlight | None = None  # a launched step whose tokens the host has not seen yet
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.model_name, backend.device, num_blocks, block_size, self.max_model_len)
 
@@ -240,53 +241,46 @@ class AsyncEngine:
         host sees the tokens of step N, which the device feeds to it (runner.py). A step that drafts
         first waits for the step in flight: the proposers read every token on the host."""
         steps = StepThread("cupyspec-step")
-        in_flight: _InFlight | None = None  # a launched step whose tokens the host has not seen yet
         mark = time.perf_counter()  # when the last step was launched (or the loop woke up)
         try:
             while True:
                 while self._aborts:
                     self.outputs.abort(self._aborts.pop())
                 overlap = self._can_overlap()
-                if in_flight is not None and not (overlap and self.scheduler.has_work):
-                    await self._finish_in_flight(steps, in_flight)
-                    in_flight = None
+                if self._in_flight is not None and not (overlap and self.scheduler.has_work):
+                    await self._finish_in_flight(steps)
                     continue
                 if not self.scheduler.has_work:
                     if self._closed:
                         return
-                    if self.drafter is not None and self.drafter.catch_up(IDLE_SLICE_SECONDS):
-                        await asyncio.sleep(0)  # more deferred proposer work: a slice at a time, requests first
-                        continue
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                     mark = time.perf_counter()
                     continue
                 limits = self.drafter.plan(self.scheduler.running, overlap) if self.drafter is not None else {}
                 asking = sum(1 for k in limits.values() if k)
-                if asking and in_flight is not None:
-                    await self._finish_in_flight(steps, in_flight)
-                    in_flight = None
+                if asking and self._in_flight is not None:
+                    await self._finish_in_flight(steps)
                     continue
                 if self.drafter is not None:
                     self.drafter.propose(self.scheduler.running, limits)
                 sched = self.scheduler.schedule()
                 self.outputs.finish_ended_by_scheduler(sched.finished)
                 if not sched.scheduled:
-                    if in_flight is None:
+                    if self._in_flight is None:
                         await asyncio.sleep(0)
                     else:  # every running sequence waits for its last token
-                        await self._finish_in_flight(steps, in_flight)
-                        in_flight = None
+                        await self._finish_in_flight(steps)
                     continue
                 inputs = self.runner.prepare(sched)
                 if overlap and not inputs.num_drafts.any():
-                    launched, previous = await steps.run(self.runner.launch_after, inputs,
-                                                         in_flight and in_flight.launched)
+                    previous = self._in_flight
+                    launched, outputs = await steps.run(self.runner.launch_after, inputs,
+                                                        previous and previous.launched)
                     self.scheduler.on_launched(sched)
                     self.outputs.hold_places(sched, inputs.owners)
-                    if in_flight is not None:
-                        self.outputs.process_step(in_flight.sched, previous, held=True)
-                    in_flight = _InFlight(sched, launched)
+                    if previous is not None:
+                        self.outputs.process_step(previous.sched, outputs, held=True)
+                    self._in_flight = _InFlight(sched, launched)
                 else:
                     step_outputs = await steps.run(self.runner.run, inputs)
                     self.scheduler.on_launched(sched)
@@ -304,9 +298,20 @@ class AsyncEngine:
         finally:
             steps.close()
 
-    async def _finish_in_flight(self, steps: StepThread, in_flight: _InFlight) -> None:
+    async def _finish_in_flight(self, steps: StepThread) -> None:
         """Wait for the step in flight, then process its tokens."""
+        in_flight, self._in_flight = self._in_flight, None
         self.outputs.process_step(in_flight.sched, await steps.run(self.runner.collect, in_flight.launched), held=True)
+
+    async def _idle(self) -> None:
+        """Nothing to run: do the proposer's deferred work a slice at a time, then wait for a request."""
+        while self.drafter is not None and self.drafter.catch_up(IDLE_SLICE_SECONDS):
+            await asyncio.sleep(0)
+            if self.scheduler.has_work or self._aborts or self._closed:
+                return
+        if not (self.scheduler.has_work or self._aborts or self._closed):
+            self._wake.clear()
+            await self._wake.wait()
 
     def _can_overlap(self) -> bool:
         """Whether a draft-free step may be formed before the host has the tokens of the one in flight:

@@ -13,7 +13,7 @@ from cupyspec.spec.chain import ChainProposer
 from cupyspec.spec.factory import make_proposer
 from cupyspec.spec.ngram import NgramProposer
 from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
-from cupyspec.spec.suffix import SuffixProposer, SuffixTree
+from cupyspec.spec.suffix import INSERT_CHUNK, SuffixProposer, SuffixTree
 from cupyspec.speculative_config import SpeculativeConfig
 
 
@@ -283,12 +283,15 @@ def test_suffix_caches_finished_outputs_a_chunk_at_a_time() -> None:
     are not proposed from; each catch_up step adds INSERT_CHUNK tokens."""
     proposer = SuffixProposer(64, -1, 1.0, 0.1)
     proposer.on_sequence_finished(0, "a", np.array([1, 2, 3] + RESPONSE), 3)
-    early, late = [9] + RESPONSE[:5], [9] + RESPONSE[40:45]  # tails inside the first chunk, and after it
+    early, late = [9] + RESPONSE[:4], [9] + RESPONSE[40:45]  # tails inside the first chunk, and past it
     assert ask(proposer, early, k=3, seq_id=1) == []
-    assert proposer.catch_up(0.0)  # one chunk of 32 tokens; 28 left
-    assert ask(proposer, early, k=3, seq_id=2) == RESPONSE[5:8]
+    assert proposer.catch_up(0.0)  # one chunk
+    assert ask(proposer, early, k=3, seq_id=2) == RESPONSE[4:INSERT_CHUNK][:3]
     assert ask(proposer, late, k=3, seq_id=3) == []
-    assert not proposer.catch_up(0.0)
+    calls = 2
+    while proposer.catch_up(0.0):  # a chunk each
+        calls += 1
+    assert calls == -(-len(RESPONSE) // INSERT_CHUNK)
     assert ask(proposer, late, k=3, seq_id=4) == RESPONSE[45:48]
 
 

@@ -13,10 +13,10 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import Drafter
+from cupyspec.spec.drafter import EXPLORE_STEPS, Drafter
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
-from cupyspec.spec.step_cost import StepCost, StepCostModel
+from cupyspec.spec.step_cost import MIN_STEPS, StepCost, StepCostModel
 from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
 from tiny_models import tiny_model_paths
 
@@ -282,6 +282,30 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
         drafter.observe_step(1, 1, 0, False, 1e-3)
     assert drafter.plan([seq], can_overlap=True) == {seq.seq_id: 3 if recovers else 0}
     assert seq.spec.num_draft_tokens == 0 and seq.spec.proposal_hit_rate > 0.99  # nothing was verified
+
+
+def test_a_run_of_drafting_steps_is_broken_to_measure_a_plain_one():
+    """The cost fit cannot tell what a step without drafts costs from drafting steps alone: the
+    cost-aware rule skips drafting once every EXPLORE_STEPS steps."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)  # drafts are free
+    seq = _decoding_seq(3)
+    plans = []
+    for _ in range(2 * EXPLORE_STEPS + 2):
+        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
+        drafter.observe_step(4, 1, plans[-1] > 0, False, 1e-3)
+    assert [i for i, k in enumerate(plans) if k == 0] == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
+
+
+def test_until_the_cost_fit_is_ready_every_other_step_drafts():
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    seq = _decoding_seq(3)
+    plans = []
+    for _ in range(MIN_STEPS + 4):
+        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
+        drafter.observe_step(1 + plans[-1], 1, plans[-1] > 0, plans[-1] > 0, 1e-3 + 1e-3 * (plans[-1] > 0))
+    assert plans[:MIN_STEPS] == [3, 0] * (MIN_STEPS // 2)  # the fit learns from both kinds of step
+    assert drafter.step_cost.fit() is not None
 
 
 def test_proposal_hit_rate():

@@ -3,10 +3,10 @@ After each step: shadow probes keep the acceptance estimates of sequences that d
 the proposer catches up on deferred bookkeeping.
 
 While nobody drafts, this bookkeeping is overhead: evaluating the rule again, shadow probing and
-the proposer's catching up share a budget of the host's idle time (while it waits for the device, the host work is free)
-plus OVERHEAD_SHARE of the engine's step time, so that a speculating engine under a load where
-speculation does not pay, which keeps the host busy, runs within a few percent of one that does
-not speculate.
+the proposer's catching up share a budget of half the host's idle time (host work done while it
+would wait for the device is free) plus OVERHEAD_SHARE of the engine's step time, so that a
+speculating engine under a load where speculation does not pay, which keeps the host busy, runs
+within a few percent of one that does not speculate.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from cupyspec.spec.step_cost import StepCostModel
 from cupyspec.speculative_config import SpeculativeConfig
 
 OVERHEAD_SHARE = 0.03  # of each step's wall time, for re-planning and shadow probes while nobody drafts
+IDLE_SHARE = 0.5  # of the host's wait for the device, likewise (all of it would leave no slack for jitter)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
+EXPLORE_STEPS = 32  # cost-aware rule: after this many drafting steps in a row, one step without drafts
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
 PRIOR_DECAY = 0.9  # weight kept by the server-wide estimates at each finished sequence
 
@@ -44,6 +46,8 @@ class Drafter:
         self.shadows = ShadowProbes()
         self._quiet = False  # the last plan drafted nothing
         self._asked: set[int] = set()  # seq_ids asked for drafts this step
+        self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
+        self._drafting_streak = 0  # observed steps in a row that drafted
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
         # server-wide draft acceptance and hit rate of recently finished sequences: a new one's prior
         self._acceptance, self._hit_rate = 1.0, 1.0
@@ -62,16 +66,22 @@ class Drafter:
         spent waiting for the device."""
         self.step_cost.observe(rows, seqs, drafting, synced, seconds)
         self.num_steps += 1
-        self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + idle)
+        self._drafting_streak = self._drafting_streak + 1 if drafting else 0
+        self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + IDLE_SHARE * idle)
 
     def plan(self, running: Seq[Sequence], can_overlap: bool) -> dict[int, int]:
         """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). After a plan
         without drafts the cost-aware rule is evaluated again only within the overhead budget
-        (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly."""
-        if self._quiet and self._budget <= 0 and self.config.cost_aware_backoff:
+        (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly. After
+        EXPLORE_STEPS drafting steps in a row it takes a step without drafts, so that the cost fit
+        keeps seeing what such a step costs now (it cannot tell from drafting steps alone)."""
+        if self.config.cost_aware_backoff and (self._drafting_streak >= EXPLORE_STEPS
+                                               or self._quiet and self._budget <= 0):
             return {}
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
+        if cost is None and self.config.cost_aware_backoff and self.num_steps % 2:
+            return {}  # until the fit is ready, every other step runs without drafts: it needs both kinds
         limits = draft_limits(running, self.config, cost, can_overlap)
         self._quiet = not any(limits.values())
         if self._quiet:
@@ -80,10 +90,11 @@ class Drafter:
 
     def propose(self, running: Seq[Sequence], limits: dict[int, int]) -> None:
         """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none."""
-        asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0]
-        self._asked = {seq.seq_id for seq in asking}
-        for seq in running:
+        for seq in self._drafted:
             seq.draft_token_ids = []
+        asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0] if limits else []
+        self._asked = {seq.seq_id for seq in asking}
+        self._drafted = asking
         if not asking:
             return
         requests = [DraftRequest(seq.seq_id, seq.request_id, np.asarray(seq.token_ids, dtype=np.int32),

@@ -40,12 +40,19 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
     cost: None before it is learned; can_overlap: a draft-free step would run overlapped, so
     drafting gives that up.
     """
-    decoding = [s for s in running if s.num_uncomputed_tokens == 1 and s.output_token_ids]
+    decoding: list[Sequence] = []
+    rates: list[tuple[float, float, int]] = []  # (acceptance, hit rate, most drafts) of each decoding sequence
+    for s in running:  # one pass: this runs under load, on every sequence
+        num_tokens = s.num_tokens
+        if num_tokens - s.num_computed_tokens != 1 or not s.output_token_ids:
+            continue
+        spec = s.spec
+        decoding.append(s)
+        rates.append((spec.recent_accepted / spec.recent_tested, spec.recent_found / spec.recent_asked,
+                      max(0, min(s.max_drafts, s.max_total_tokens - num_tokens - 1))))
     if not decoding:
         return {}
-    acceptance = np.array([s.spec.draft_acceptance for s in decoding])  # [S]
-    hit_rate = np.array([s.spec.proposal_hit_rate for s in decoding])  # [S]
-    limits = np.array([max(0, min(s.max_drafts, s.max_total_tokens - s.num_tokens - 1)) for s in decoding])  # [S]
+    acceptance, hit_rate, limits = (np.array(column) for column in zip(*rates))  # [S] each
     limits = np.where(acceptance < config.min_acceptance_rate, 0, limits)
     if cost is not None and limits.any():
         limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running)),

@@ -45,6 +45,7 @@ class StepCostModel:
     def __init__(self) -> None:
         self._gram = np.zeros((5, 5))  # [5, 5] weighted sum of x x^T
         self._moment = np.zeros(5)  # [5] weighted sum of x * seconds
+        self._recent: list[tuple[float, float, float, float, float, float]] = []  # observations not folded in yet
         self.num_steps = 0
         self._fit: StepCost | None = None
         self._fitted_at = 0  # num_steps when _fit was computed
@@ -54,16 +55,24 @@ class StepCostModel:
         garbage collection) is capped, so that one hiccup does not stop speculation for long."""
         if self._fit is not None:
             seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, drafting, synced))
-        x = np.array([1.0, rows, seqs, drafting, float(synced)])  # [5]
-        self._gram = DECAY * self._gram + np.outer(x, x)
-        self._moment = DECAY * self._moment + x * seconds
+        self._recent.append((1.0, rows, seqs, drafting, float(synced), seconds))
         self.num_steps += 1
 
     def fit(self) -> StepCost | None:
         """The estimate (terms clipped at 0) as of at most REFIT_STEPS - 1 steps ago, or None before
         MIN_STEPS steps."""
         if self.num_steps >= MIN_STEPS and (self._fit is None or self.num_steps - self._fitted_at >= REFIT_STEPS):
+            self._fold()
             # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
             terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
             self._fit, self._fitted_at = StepCost(*np.maximum(terms, 0.0).tolist()), self.num_steps
         return self._fit
+
+    def _fold(self) -> None:
+        """Add the recent observations to the weighted sums, each decayed by the steps after it."""
+        recent = np.array(self._recent)  # [K, 6]: x (5 terms), seconds
+        self._recent.clear()
+        weights = DECAY ** np.arange(len(recent) - 1, -1, -1)  # [K]
+        x, seconds = recent[:, :5], recent[:, 5]
+        self._gram = DECAY ** len(recent) * self._gram + (x * weights[:, None]).T @ x
+        self._moment = DECAY ** len(recent) * self._moment + (x * (weights * seconds)[:, None]).sum(axis=0)

@@ -177,7 +177,7 @@ class _SeqState:
         self.version = -1  # global tree version the matches belong to
 
 
-INSERT_CHUNK = 32  # tokens of a finished output added to the global trie between time checks
+INSERT_CHUNK = 8  # tokens of a finished output added to the global trie between time checks
 
 
 @dataclass(eq=False)
