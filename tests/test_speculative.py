@@ -159,12 +159,19 @@ def test_rejected_drafts_never_reach_the_prefix_cache(tiny_gguf):
     assert cached["tokens"] == fresh["tokens"]
 
 
-def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf):
+@pytest.mark.parametrize("cost_aware", [False, True])
+def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf, cost_aware: bool):
+    """The first response enters the global trie while the engine is idle, before the second comes
+    (with the cost-aware rule too: drafts are made free here, so that both rules draft alike)."""
     prompt = list(range(30, 70))
 
     async def main():
-        engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5)
+        engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5, cost_aware_backoff=cost_aware)
+        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)
         first = await collect(engine, prompt, GREEDY)
+        for _ in range(100):  # the idle engine caches the response
+            await asyncio.sleep(0.001)
+        assert not engine.drafter.catch_up(0.0)
         second = await collect(engine, prompt, GREEDY)
         await engine.shutdown()
         return first["out"].speculate_metrics, second["out"].speculate_metrics, first["tokens"], second["tokens"]

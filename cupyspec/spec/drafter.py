@@ -24,7 +24,7 @@ from cupyspec.spec.stats import SpecStats
 from cupyspec.spec.step_cost import StepCostModel
 from cupyspec.speculative_config import SpeculativeConfig
 
-OVERHEAD_SHARE = 0.03  # of each step's wall time, for re-planning and shadow probes while nobody drafts
+OVERHEAD_SHARE = 0.03  # of each step's wall time, for the overhead budget (module docstring)
 IDLE_SHARE = 0.5  # of the host's wait for the device, likewise (all of it would leave no slack for jitter)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
 EXPLORE_STEPS = 32  # cost-aware rule: after this many drafting steps in a row, one step without drafts
