@@ -9,8 +9,8 @@ tokens its reply is made of (a HumanEval function rewritten with the name `solut
 ShareGPT's first reply, at most `--max-tokens`), and a step emits the scripted tokens: the next
 one, or under speculation the drafts that match the script and one more. The step's device time
 follows a model of the captured graph on an H100 (`tools/profile_step.py`: 0.66 ms at 1 row, 0.69
-at 8, 1.39 at 64, 2.20 at 256, linear between; plus `--sample-ms` for sampling and the copy, plus
-`--verify-ms` for a step that verifies drafts). The step is waited for when collected, so a step
+at 8, 1.39 at 64, 2.20 at 256, linear between and beyond; plus `--sample-ms` for sampling and the
+copy, plus `--verify-ms` for a step that verifies drafts). The step is waited for when collected, so a step
 that overlaps hides its host work behind the modeled device time exactly as on the GPU.
 
 Reported per method and concurrency: output tokens per second, host CPU time per output token (the
@@ -40,6 +40,7 @@ from cupyspec.speculative_config import SpeculativeConfig
 
 GRAPH_ROWS = np.array([1, 8, 64, 256, 512])  # rows of a step
 GRAPH_MS = np.array([0.658, 0.686, 1.385, 2.20, 3.90])  # H100 device ms of the captured step (512: extrapolated)
+MS_PER_ROW_BEYOND = (GRAPH_MS[-1] - GRAPH_MS[-2]) / (GRAPH_ROWS[-1] - GRAPH_ROWS[-2])  # long prefill chunks
 
 
 class Script(NamedTuple):
@@ -84,7 +85,8 @@ class ScriptedDevice:
             outputs[index] = SeqStepOutput(tuple(script[at:at + accepted + 1]), None, len(drafts),
                                            tuple(j < accepted for j in range(len(drafts))))
         rows = inputs.batch.num_tokens
-        device_ms = float(np.interp(rows, GRAPH_ROWS, GRAPH_MS)) + self.sample_ms
+        device_ms = float(np.interp(rows, GRAPH_ROWS, GRAPH_MS)) + MS_PER_ROW_BEYOND * max(0, rows - GRAPH_ROWS[-1])
+        device_ms += self.sample_ms
         device_ms += self.verify_ms if inputs.num_drafts.any() else 0.0
         self._device_free = max(time.perf_counter(), self._device_free) + device_ms / 1e3
         return _Launched(self._device_free, outputs)
