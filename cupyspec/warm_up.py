@@ -4,17 +4,16 @@ kernel compiled (or a memory pool grown) on first use.
 On a GPU each CUDA and CuPy kernel compiles the first time it runs, some 0.1 to 1 s apiece: greedy
 and random sampling, top-k/top-p/min-p, penalties, logprobs, prompt logprobs, and under
 speculation verification with and without logprobs. The warm-up sends requests that use them
-all, with a proposer that always drafts, then forgets them: metrics, the learned step costs and
-the proposer's state start afresh (`AsyncEngine.create` resets them).
+all, with a stand-in proposer that always drafts (the real one never sees them), then forgets
+them: metrics and the learned step costs start afresh (`AsyncEngine.create` resets them).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
-
-import asyncio
 
 import numpy as np
 
@@ -52,8 +51,9 @@ async def warm_up(engine: AsyncEngine) -> None:
     if drafter is not None:
         proposer, drafter.proposer = drafter.proposer, RepeatLastProposer()
     vocab = engine.model_config.vocab_size
-    prompt_tokens = min(PROMPT_TOKENS, engine.max_model_len // 2)
-    max_tokens = min(MAX_TOKENS, engine.max_model_len - prompt_tokens)
+    room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
+    prompt_tokens = min(PROMPT_TOKENS, room // 2)
+    max_tokens = min(MAX_TOKENS, room - prompt_tokens)
     requests = [replace(params, max_tokens=max_tokens) for params in WARM_UP_REQUESTS]
     prompts = [[(7 + 13 * i + j) % vocab for j in range(prompt_tokens)] for i in range(len(requests))]
 

@@ -167,7 +167,7 @@ def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf, cost_
 
     async def main():
         engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5, cost_aware_backoff=cost_aware)
-        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0)
+        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)
         first = await collect(engine, prompt, GREEDY)
         for _ in range(100):  # the idle engine caches the response
             await asyncio.sleep(0.001)
@@ -235,30 +235,29 @@ def test_draft_acceptance_counts_tested_drafts():
 def test_drafts_are_taken_while_they_pay_for_their_time():
     acceptance, limits = np.array([0.9, 0.5, 0.1]), np.array([5, 5, 5])
     # a step of 1 ms for 3 tokens whose rows cost 1 us: every draft that may be kept pays
-    assert best_drafts(acceptance, limits, 3, 1e-3, 1e-6).tolist() == [5, 5, 2]
-    # 256 sequences in 27 ms: a draft row costs 20 us, about 0.19 tokens' worth
-    assert best_drafts(acceptance, limits, 256, 27e-3, 20e-6).tolist() == [5, 2, 0]
-    assert best_drafts(acceptance, limits, 256, 27e-3, 60e-6).tolist() == [5, 0, 0]
+    assert best_drafts(acceptance, limits, 3, 1e-3, 1e-6, 1e-6).tolist() == [5, 5, 2]
+    # 256 sequences in 27 ms: a draft row costs 20 us, a drafting sequence 80 us more
+    assert best_drafts(acceptance, limits, 256, 27e-3, 20e-6, 80e-6).tolist() == [5, 0, 0]
     # drafts that cost more than a whole step's tokens are worth: none
-    assert best_drafts(acceptance, limits, 256, 27e-3, 1e-3).tolist() == [0, 0, 0]
+    assert best_drafts(acceptance, limits, 256, 27e-3, 1e-3, 0.0).tolist() == [0, 0, 0]
 
 
 def test_a_drafting_step_must_also_pay_for_the_overlap_it_gives_up():
     acceptance, limits = np.array([0.9]), np.array([5])
     # one sequence, a 1 ms step: 5 drafts keep 3.69 tokens in expectation for 0.1 ms more
-    assert best_drafts(acceptance, limits, 1, 1e-3, 20e-6).tolist() == [5]
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6).tolist() == [5]
     # giving up overlap costs 2 ms: (1 + 3.69) / 3.1 ms still beats 1 / 1 ms
-    assert best_drafts(acceptance, limits, 1, 1e-3, 20e-6, per_drafting_step=2e-3).tolist() == [5]
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6, per_drafting_step=2e-3).tolist() == [5]
     # at 4 ms it does not: (1 + 3.69) / 5.1 ms < 1 / 1 ms
-    assert best_drafts(acceptance, limits, 1, 1e-3, 20e-6, per_drafting_step=4e-3).tolist() == [0]
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6, per_drafting_step=4e-3).tolist() == [0]
     # a proposer that finds drafts one time in five: 0.2 * 3.69 kept for 2.1 ms more does not pay
-    assert best_drafts(acceptance, limits, 1, 1e-3, 20e-6, per_drafting_step=2e-3,
+    assert best_drafts(acceptance, limits, 1, 1e-3, 10e-6, 50e-6, per_drafting_step=2e-3,
                        hit_rate=np.array([0.2])).tolist() == [0]
 
 
 def test_proposals_that_miss_lower_what_drafting_is_worth():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
-    cost = StepCost(1e-3, 20e-6, 0.0, 2e-3)
+    cost = StepCost(1e-3, 10e-6, 0.0, 50e-6, 2e-3)
     missing = [_decoding_seq(5, acceptance=0.9, hit_rate=0.2), _decoding_seq(5, acceptance=0.9)]
     # overlapped, the sequence whose proposer mostly misses makes drafting not pay; one step at a
     # time there is no overlap to give up
@@ -296,7 +295,7 @@ def test_a_run_of_drafting_steps_is_broken_to_measure_a_plain_one():
     """The cost fit cannot tell what a step without drafts costs from drafting steps alone: the
     cost-aware rule skips drafting once every EXPLORE_STEPS steps."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0)  # drafts are free
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)  # drafts are free
     seq = _decoding_seq(3)
     plans = []
     for _ in range(2 * EXPLORE_STEPS + 2):
@@ -331,8 +330,9 @@ def test_the_step_cost_fit_recovers_the_terms():
         drafting = int(rng.integers(0, seqs + 1))
         rows = seqs + drafting * int(rng.integers(1, 6))
         synced = drafting > 0 and rng.random() < 0.7
-        model.observe(rows, seqs, synced, 1e-3 + 4e-6 * rows + 30e-6 * seqs + 2e-4 * synced)
-    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 30e-6, 2e-4), rel=1e-6)
+        seconds = 1e-3 + 4e-6 * rows + 30e-6 * seqs + 50e-6 * drafting + 2e-4 * synced
+        model.observe(rows, seqs, drafting, synced, seconds)
+    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 30e-6, 50e-6, 2e-4), rel=1e-6)
 
 
 def test_learned_costs_drive_the_back_off(tiny_gguf):
@@ -343,9 +343,9 @@ def test_learned_costs_drive_the_back_off(tiny_gguf):
         await engine.shutdown()
         return out["out"].speculate_metrics
 
-    free = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 0.0)))
+    free = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)))
     assert len(free.accepted_per_position) == 3  # drafts that cost nothing: full steps of 3 drafts
-    costly = asyncio.run(metrics_with(StepCost(1e-3, 1.0, 0.0, 0.0)))  # a second per draft row
+    costly = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 1.0, 0.0)))  # a second per drafting sequence
     assert costly.num_draft_tokens == 0 and costly.num_steps > 0
 
 

@@ -64,7 +64,7 @@ class Drafter:
         """One engine step's wall time, with its rows, sequences, how many of them asked for drafts,
         and whether drafting made it give up overlap scheduling; `idle`: seconds of it the host
         spent waiting for the device."""
-        self.step_cost.observe(rows, seqs, synced, seconds)
+        self.step_cost.observe(rows, seqs, drafting, synced, seconds)
         self.num_steps += 1
         self._drafting_streak = self._drafting_streak + 1 if drafting else 0
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + IDLE_SHARE * idle)

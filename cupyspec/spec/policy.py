@@ -10,10 +10,10 @@
    estimates current through shadow probes (`cupyspec/spec/shadow.py`): now and then its proposer is
    asked for drafts that are not verified but scored, steps later, against the tokens emitted
    since, which costs the device nothing.
-3. Drafts cost time: the engine learns what a step costs per row and for giving up overlap
-   scheduling (`StepCostModel`): a step without drafts is launched before the host has seen the
-   tokens of the step before, a drafting step waits for them. Each step takes the drafts that
-   maximize the expected tokens emitted per second of the step (the ratio is maximized
+3. Drafts cost time: the engine learns what a step costs per row, per drafting sequence, and for
+   giving up overlap scheduling (`StepCostModel`): a step without drafts is launched before the
+   host has seen the tokens of the step before, a drafting step waits for them. Each step takes the
+   drafts that maximize the expected tokens emitted per second of the step (the ratio is maximized
    exactly, by Dinkelbach's iteration), or none when a draft-free step emits more per second.
    With few sequences and repetitive text every useful draft is taken; as the batch grows, or
    proposals miss, a draft must be likelier to be kept to pay for itself, and speculation stops.
@@ -56,7 +56,8 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
     limits = np.where(acceptance < config.min_acceptance_rate, 0, limits)
     if cost is not None and limits.any():
         limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running)),
-                             cost.per_row, cost.per_synced_step if can_overlap else 0.0, hit_rate)
+                             cost.per_row, cost.per_drafting_seq, cost.per_synced_step if can_overlap else 0.0,
+                             hit_rate)
     limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
     return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
 
@@ -67,9 +68,11 @@ def _kept(acceptance: np.ndarray, width: int) -> np.ndarray:
 
 
 def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, base_seconds: float,
-                per_row: float, per_drafting_step: float = 0.0, hit_rate: np.ndarray | None = None) -> np.ndarray:
+                per_row: float, per_drafting_seq: float, per_drafting_step: float = 0.0,
+                hit_rate: np.ndarray | None = None) -> np.ndarray:
     """Drafts [S] per sequence, each within limits [S], that maximize
-    (base_tokens + expected kept drafts) / (base_seconds + per_drafting_step * [any drafts] + per_row * drafts),
+    (base_tokens + expected kept drafts)
+    / (base_seconds + per_drafting_step * [any drafts] + per_drafting_seq * drafting + per_row * drafts),
     where k drafts asked of sequence s keep hit_rate[s] * (a + ... + a^k) in expectation (hit rate 1
     when None).
 
@@ -83,7 +86,7 @@ def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, 
     gain = np.cumsum(_kept(acceptance, width), axis=1)  # [S, K]: expected kept with k = 1..K drafts
     if hit_rate is not None:
         gain *= hit_rate[:, None]
-    cost = per_row * count  # [K]
+    cost = per_drafting_seq + per_row * count  # [K]
     allowed = count[None, :] <= limits[:, None]  # [S, K]
     take = np.zeros(len(limits), dtype=int)
     drafting_seconds = base_seconds + per_drafting_step

@@ -1,15 +1,14 @@
-"""What an engine step costs, learned online: seconds = fixed + per row + per sequence + per synchronous step.
+"""What an engine step costs, learned online:
+seconds = fixed + per row + per sequence + per drafting sequence + per synchronous drafting step.
 
-The engine reports, for each step, the wall time since the step before (scheduling, proposing,
-forward pass, sampling or verification, output processing, and any wait for the step before to
-drain: everything the loop spends per step) with its rows, its sequences, and whether drafting made
-the step give up overlap scheduling (a draft-free step is launched before the host has the tokens
-of the step before; a drafting step waits for them, since the proposers read every token). An
-exponentially weighted least-squares fit of those four terms gives the back-off rule
-(`cupyspec/spec/policy.py`) the price of a draft row (proposing and verifying it included) and of
-a step that drafts at all, on this machine, model and load. A term per drafting sequence is left
-out on purpose: when every sequence drafts, it moves in lockstep with the synchronous step, and a
-fit could not tell a step's price from its sequences'.
+The engine reports, for each step, the wall time since the step before (scheduling, forward pass,
+sampling or verification, output processing, and any wait for the step before to drain: everything
+the loop spends per step) with its rows, its sequences, how many of them asked for drafts, and
+whether drafting made the step give up overlap scheduling (a draft-free step is launched before
+the host has the tokens of the step before; a drafting step waits for them, since the proposers
+read every token). An exponentially weighted least-squares fit of those five terms gives the
+back-off rule (`cupyspec/spec/policy.py`) the price of a draft row, of a sequence that drafts at
+all, and of a step that drafts, on this machine, model and load.
 """
 
 from __future__ import annotations
@@ -26,35 +25,37 @@ OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times it
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per step: fixed + per_row * rows + per_seq * sequences + per_synced_step * synced
-    (1 for a step that gave up overlap scheduling to draft, else 0)."""
+    """Seconds per step: fixed + per_row * rows + per_seq * sequences + per_drafting_seq * drafting
+    + per_synced_step * synced (1 for a step that gave up overlap scheduling to draft, else 0)."""
 
     fixed: float
     per_row: float
     per_seq: float
+    per_drafting_seq: float
     per_synced_step: float = 0.0
 
-    def seconds(self, rows: float, seqs: float, synced: bool = False) -> float:
-        return self.fixed + self.per_row * rows + self.per_seq * seqs + self.per_synced_step * synced
+    def seconds(self, rows: float, seqs: float, drafting: float = 0, synced: bool = False) -> float:
+        return (self.fixed + self.per_row * rows + self.per_seq * seqs + self.per_drafting_seq * drafting
+                + self.per_synced_step * synced)
 
 
 class StepCostModel:
     """Exponentially weighted least squares over the steps observed so far."""
 
     def __init__(self) -> None:
-        self._gram = np.zeros((4, 4))  # [4, 4] weighted sum of x x^T
-        self._moment = np.zeros(4)  # [4] weighted sum of x * seconds
-        self._recent: list[tuple[float, float, float, float, float]] = []  # observations not folded in yet
+        self._gram = np.zeros((5, 5))  # [5, 5] weighted sum of x x^T
+        self._moment = np.zeros(5)  # [5] weighted sum of x * seconds
+        self._recent: list[tuple[float, float, float, float, float, float]] = []  # observations not folded in yet
         self.num_steps = 0
         self._fit: StepCost | None = None
         self._fitted_at = 0  # num_steps when _fit was computed
 
-    def observe(self, rows: int, seqs: int, synced: bool, seconds: float) -> None:
+    def observe(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
         garbage collection) is capped, so that one hiccup does not stop speculation for long."""
         if self._fit is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, synced))
-        self._recent.append((1.0, rows, seqs, float(synced), seconds))
+            seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, drafting, synced))
+        self._recent.append((1.0, rows, seqs, drafting, float(synced), seconds))
         self.num_steps += 1
 
     def fit(self) -> StepCost | None:
@@ -69,9 +70,9 @@ class StepCostModel:
 
     def _fold(self) -> None:
         """Add the recent observations to the weighted sums, each decayed by the steps after it."""
-        recent = np.array(self._recent)  # [K, 5]: x (4 terms), seconds
+        recent = np.array(self._recent)  # [K, 6]: x (5 terms), seconds
         self._recent.clear()
         weights = DECAY ** np.arange(len(recent) - 1, -1, -1)  # [K]
-        x, seconds = recent[:, :4], recent[:, 4]
+        x, seconds = recent[:, :5], recent[:, 5]
         self._gram = DECAY ** len(recent) * self._gram + (x * weights[:, None]).T @ x
         self._moment = DECAY ** len(recent) * self._moment + (x * (weights * seconds)[:, None]).sum(axis=0)
