@@ -14,8 +14,9 @@ copy, plus `--verify-ms` for a step that verifies drafts). The step is waited fo
 that overlaps hides its host work behind the modeled device time exactly as on the GPU.
 
 Reported per method and concurrency: output tokens per second, host CPU time per output token (the
-process's CPU time: the modeled device sleeps, so this is the engine's host work, steadier than
-throughput on a shared machine), and mean tokens per step of a request.
+process's CPU time: the modeled device sleeps, so this is the engine's host work), and mean tokens
+per step of a request. On a shared machine throughput drifts by tens of percent between runs:
+`--repeats N` runs each method N times, rotating their order, and ends with medians.
 """
 
 from __future__ import annotations
@@ -146,26 +147,48 @@ async def run(engine: AsyncEngine, device: ScriptedDevice, scripts: list[Script]
             emitted / steps if steps else 1.0)
 
 
+METHODS: dict[str, dict[str, Any] | None] = {"none": None,
+                                              "ngram5": {"method": "ngram", "num_speculative_tokens": 5},
+                                              "suffix5": {"method": "suffix", "num_speculative_tokens": 5}}
+
+
+async def run_method(label: str, args: argparse.Namespace, scripts: dict[str, list[Script]] | None,
+                     results: dict[tuple[str, str, int], list[tuple[float, float]]]) -> dict[str, list[Script]]:
+    """Every workload and concurrency against a fresh engine of one method; results[(label, workload,
+    concurrency)] gains (tok/s, tokens per step). Returns the scripts (loaded on first use)."""
+    spec = METHODS[label]
+    config = EngineConfig(model=args.model, device="cpu", warm_up=False,
+                          speculative=SpeculativeConfig(**spec) if spec else SpeculativeConfig(),
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
+    engine = await AsyncEngine.create(config)
+    settle_garbage_collector()
+    device = ScriptedDevice(engine, args.sample_ms, args.verify_ms)
+    scripts = scripts or load_scripts(engine, args)
+    for workload in args.workloads:
+        for c in args.concurrency:
+            tok_s, cpu, per_step = await run(engine, device, scripts[workload], c, max(args.num_prompts, 2 * c))
+            results.setdefault((label, workload, c), []).append((tok_s, per_step))
+            print(f"{label:8s} {workload:5s} c{c:<4d} {tok_s:9.0f} tok/s  {1e6 * cpu:6.1f} host us/token  "
+                  f"{per_step:5.2f} tokens/step", flush=True)
+    await engine.shutdown()
+    return scripts
+
+
 async def main(args: argparse.Namespace) -> None:
-    methods: dict[str, Any] = {"none": None, "ngram5": {"method": "ngram", "num_speculative_tokens": 5},
-                               "suffix5": {"method": "suffix", "num_speculative_tokens": 5}}
-    scripts: dict[str, list[Script]] | None = None
-    for label, spec in methods.items():
-        if args.methods and label not in args.methods:
-            continue
-        config = EngineConfig(model=args.model, device="cpu", warm_up=False,
-                              speculative=SpeculativeConfig(**spec) if spec else SpeculativeConfig(),
-                              scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
-        engine = await AsyncEngine.create(config)
-        settle_garbage_collector()
-        device = ScriptedDevice(engine, args.sample_ms, args.verify_ms)
-        scripts = scripts or load_scripts(engine, args)
-        for workload in args.workloads:
-            for c in args.concurrency:
-                tok_s, cpu, per_step = await run(engine, device, scripts[workload], c, max(args.num_prompts, 2 * c))
-                print(f"{label:8s} {workload:5s} c{c:<4d} {tok_s:9.0f} tok/s  {1e6 * cpu:6.1f} host us/token  "
-                      f"{per_step:5.2f} tokens/step", flush=True)
-        await engine.shutdown()
+    labels = [label for label in METHODS if not args.methods or label in args.methods]
+    results: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    scripts = None
+    for r in range(args.repeats):  # the order of the methods rotates: a shared machine drifts
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            scripts = await run_method(label, args, scripts, results)
+    if args.repeats > 1:
+        print(f"medians of {args.repeats} runs:")
+        for (label, workload, c), runs in results.items():
+            tok_s = float(np.median([t for t, _ in runs]))
+            base = results.get(("none", workload, c))
+            change = f" ({100 * (tok_s / float(np.median([t for t, _ in base])) - 1):+.0f}% vs none)" if base else ""
+            print(f"{label:8s} {workload:5s} c{c:<4d} {tok_s:9.0f} tok/s{change}  "
+                  f"{float(np.median([s for _, s in runs])):5.2f} tokens/step")
 
 
 def parse_args() -> argparse.Namespace:
@@ -181,6 +204,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--sample-ms", type=float, default=0.04, help="device ms of sampling and the copy per step")
     p.add_argument("--verify-ms", type=float, default=0.1, help="device ms added by verifying drafts")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each method, then medians (the order rotates)")
     return p.parse_args()
 
 
