@@ -305,11 +305,12 @@ class AsyncEngine:
 
     async def _idle(self) -> None:
         """Nothing to run: do the proposer's deferred work a slice at a time, then wait for a request."""
-        while self.drafter is not None and self.drafter.catch_up(IDLE_SLICE_SECONDS):
+        def has_news() -> bool:  # a request, an abort or shutdown
+            return bool(self.scheduler.has_work or self._aborts or self._closed)
+
+        while not has_news() and self.drafter is not None and self.drafter.catch_up(IDLE_SLICE_SECONDS):
             await asyncio.sleep(0)
-            if self.scheduler.has_work or self._aborts or self._closed:
-                return
-        if not (self.scheduler.has_work or self._aborts or self._closed):
+        if not has_news():
             self._wake.clear()
             await self._wake.wait()
 

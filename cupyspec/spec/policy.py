@@ -46,9 +46,8 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
         num_tokens = s.num_tokens
         if num_tokens - s.num_computed_tokens != 1 or not s.output_token_ids:
             continue
-        spec = s.spec
         decoding.append(s)
-        rates.append((spec.recent_accepted / spec.recent_tested, spec.recent_found / spec.recent_asked,
+        rates.append((s.spec.draft_acceptance, s.spec.proposal_hit_rate,
                       max(0, min(s.max_drafts, s.max_total_tokens - num_tokens - 1))))
     if not decoding:
         return {}
