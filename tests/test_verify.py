@@ -114,6 +114,30 @@ def test_mixed_batch_equals_one_request_at_a_time(strategy: str) -> None:
     np.testing.assert_array_equal(together.output_token_ids[zero, 0], plain)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_greedy_batches_verify_as_they_do_beside_a_sampled_request(strategy: str) -> None:
+    """A batch without sampled rows takes a shortcut (each draft passes iff it is its row's argmax);
+    it must agree with the general path, which a sampled request in the batch forces."""
+    rng = np.random.default_rng(7)
+    vocab, lengths = 40, (5, 0, 3, 5, 1, 4)
+    logits = (rng.normal(size=(sum(n + 1 for n in lengths), vocab)) * 2).astype(np.float32)
+    argmax, start, drafts = logits.argmax(axis=1), 0, []
+    for n in lengths:  # the argmax path for a random number of drafts, then a miss
+        good = int(rng.integers(0, n + 1))
+        drafts.append([int(argmax[start + j]) if j < good else int((argmax[start + j] + 1) % vocab) for j in range(n)])
+        start += n + 1
+    greedy = make_input(drafts, [GREEDY] * len(lengths), rng)
+    alone = verify(np, logits, greedy, strategy, "normal")
+    sampled = make_input([[1, 2]], [SamplingParams(temperature=0.9)], rng, k=5)
+    beside = verify(np, np.concatenate([logits, rng.normal(size=(3, vocab)).astype(np.float32)]),
+                    VerifyInput(np.vstack([greedy.draft_token_ids, sampled.draft_token_ids]),
+                                np.append(greedy.num_drafts, 2), None, greedy.rows + sampled.rows,
+                                np.append(greedy.extra_uniforms, sampled.extra_uniforms)), strategy, "normal")
+    np.testing.assert_array_equal(beside.output_token_ids[:len(lengths)], alone.output_token_ids)
+    np.testing.assert_array_equal(beside.accept_num[:len(lengths)], alone.accept_num)
+    assert alone.num_accepted_drafts.sum() > 0 and (alone.num_accepted_drafts < np.array(lengths)).any()
+
+
 def test_no_requests_and_no_drafts_at_all() -> None:
     rng = np.random.default_rng(4)
     empty = verify(np, np.zeros((0, 5), np.float32), make_input([], [], rng, k=2), "rejection", "normal")
@@ -356,21 +380,27 @@ def test_correcting_from_p_instead_of_the_residual_is_caught(target: str, random
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_cupy_matches_numpy(strategy: str) -> None:
+@pytest.mark.parametrize("greedy_only", [False, True], ids=["mixed", "greedy"])
+def test_cupy_matches_numpy(strategy: str, greedy_only: bool) -> None:
     cupy = pytest.importorskip("cupy")
     rng = np.random.default_rng(12)
     vocab, k = 49152, 5
     kinds = [GREEDY, SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(top_k=20, min_p=0.02),
              SamplingParams(temperature=1.1, frequency_penalty=0.5, repetition_penalty=1.2)]
+    if greedy_only:
+        kinds = [GREEDY, SamplingParams(temperature=0.0, frequency_penalty=0.5, repetition_penalty=1.2)] * 2
     drafts = [list(rng.integers(0, vocab, int(n))) for n in rng.integers(0, k + 1, 24)]
     inp = make_input(drafts, [kinds[b % 4] for b in range(24)], rng, k=k)
     history = rng.integers(0, vocab, 12)
     rows = tuple(SamplingRow(r.params, r.uniform, history, history) for r in inp.rows)
     logits = (rng.normal(size=(len(rows), vocab)) * 3).astype(np.float32)
     probs = rng.dirichlet(np.full(vocab, 0.05), size=(24, k)).astype(np.float32)
+    ids = inp.draft_token_ids.copy()
+    for b, (first, n) in enumerate(zip(first_rows(inp), inp.num_drafts)):  # the argmax path but for the last draft
+        ids[b, :max(0, n - 1)] = logits[first:first + max(0, n - 1)].argmax(axis=1)
     for draft_probs in (None, probs):
         for policy in ("normal", "accept_all", "reject_all"):
-            args = (inp.draft_token_ids, inp.num_drafts)
+            args = (ids, inp.num_drafts)
             host = verify(np, logits, VerifyInput(*args, draft_probs, rows, inp.extra_uniforms), strategy, policy)
             device = verify(cupy, cupy.asarray(logits),
                             VerifyInput(*args, None if draft_probs is None else cupy.asarray(draft_probs), rows,

@@ -32,6 +32,7 @@ import numpy as np
 
 from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.sampler import SamplingRow
+from cupyspec.spec.accept_runs import accept_runs
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
 from cupyspec.transfer import fetch_arrays
@@ -95,12 +96,19 @@ class VerifyOutput:
 class DeviceVerdict:
     """Verification results still on the device, for consumers that fuse more work before the transfer."""
 
-    num_accepted: Any  # [B] int64: drafts before the first rejection
-    emitted: Any  # [B] int64: the bonus or correction token after them
+    runs: Any  # [2, B] int64: drafts before the first rejection, then the bonus or correction token after them
+
+    @property
+    def num_accepted(self) -> Any:  # [B] int64
+        return self.runs[0]
+
+    @property
+    def emitted(self) -> Any:  # [B] int64
+        return self.runs[1]
 
     def to_host(self, xp: Any, inp: VerifyInput) -> VerifyOutput:
-        num_accepted, emitted = fetch_arrays(xp, [self.num_accepted, self.emitted])
-        return VerifyOutput.of(inp, num_accepted.astype(np.int64), emitted.astype(np.int64))
+        num_accepted, emitted = fetch_arrays(xp, [self.runs])[0]
+        return VerifyOutput.of(inp, num_accepted, emitted)
 
 
 def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
@@ -144,24 +152,30 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
     if inp.draft_probs is not None and tuple(inp.draft_probs.shape) != (batch, k, vocab):
         raise ValueError(f"draft_probs must have shape [B={batch}, K={k}, V={vocab}], got {inp.draft_probs.shape}")
     if batch == 0:
-        return DeviceVerdict(xp.zeros(0, xp.int64), xp.zeros(0, xp.int64))
+        return DeviceVerdict(xp.zeros((2, 0), xp.int64))
 
     target = score_rows(xp, target_logits.astype(xp.float32, copy=False), inp.rows, layout)
-    first_row = np.cumsum(inp.num_drafts + 1) - (inp.num_drafts + 1)  # [B]
+    first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)])  # [B+1] bounds of each request's rows
     if accept_policy != "normal" or not layout.rows.size:
         num_accepted = inp.num_drafts if accept_policy == "accept_all" else np.zeros(batch, np.int64)
-        emitted = target.tokens[xp.asarray(first_row + num_accepted)]  # [B]
-        return DeviceVerdict(xp.asarray(num_accepted), emitted.astype(xp.int64))
+        emitted = target.tokens[xp.asarray(first_row[:-1] + num_accepted)]  # [B]
+        return DeviceVerdict(xp.stack([xp.asarray(num_accepted), emitted.astype(xp.int64)]))
 
+    if target.ranked is None:  # no row draws: under every strategy a draft passes iff it is its row's argmax
+        host = np.full(num_rows + batch + 1, PLACEHOLDER_TOKEN_ID, dtype=np.int64)  # [R + B + 1]
+        host[layout.rows] = layout.tokens  # each row's draft (the placeholder on bonus rows) ...
+        host[num_rows:] = first_row  # ... then first_row: one copy to the device
+        uploaded = xp.asarray(host)
+        row_draft, bounds = uploaded[:num_rows], uploaded[num_rows:]
+        return DeviceVerdict(accept_runs(xp, target.tokens == row_draft, target.tokens, bounds))
     accepted, residual_pick = _accepted(xp, strategy, target, layout, inp)  # [D], [D] or None
-    grid = xp.zeros((batch, k), dtype=xp.int32)  # [B, K]; 0 past each request's drafts
-    grid[xp.asarray(layout.request), xp.asarray(layout.position)] = accepted
-    count = xp.cumprod(grid, axis=1).sum(axis=1).astype(xp.int64)  # [B] drafts before the first rejection
+    passed = xp.zeros(num_rows, dtype=bool)  # [R]
+    passed[xp.asarray(layout.rows)] = accepted
     emit_at = target.tokens  # [R] token emitted when the request stops at that row
     if residual_pick is not None:
         emit_at = emit_at.copy()
         emit_at[xp.asarray(layout.rows)] = residual_pick
-    return DeviceVerdict(count, emit_at[xp.asarray(first_row) + count].astype(xp.int64))
+    return DeviceVerdict(accept_runs(xp, passed, emit_at, xp.asarray(first_row)))
 
 
 def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejection",
