@@ -3,11 +3,15 @@
 // One block per selected row r of logits [R, V] (rows[r] picks it). Outputs
 //   peak[r] = max_t x[t], log_total[r] = log sum_t exp(x[t] - peak) (f64 sum),
 //   the k largest entries, largest first, ties broken by the lower index, and their logprobs
-//   f32(f64(x[t] - peak) - log_total).
+//   f32(f64(x[t] - peak) - log_total); when chosen_ids is given, the logprob of chosen_ids[r] too.
 // Top-k: each thread keeps a sorted list of its k best over a strided slice of the row, then k
 // rounds of a block-wide arg-max over the threads' list heads pick the winners in order.
+// A row is one block's work however few rows there are (a single row at batch 1), so the scans
+// keep UNROLL independent loads in flight per thread: with one load at a time, the latency of
+// global memory made one row cost hundreds of microseconds.
 
-#define THREADS 256
+#define THREADS 1024
+#define UNROLL 8
 #define MAX_K 20
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -62,6 +66,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) logsoftmax_topk(
     const float* __restrict__ logits, long long vocab,   // [R_all, V]
     const long long* __restrict__ rows,                 // [R] rows of logits to process
     int k,                                              // 0..MAX_K
+    const long long* __restrict__ chosen_ids,           // [R] tokens whose logprobs are wanted too, or null
+    float* __restrict__ chosen_lps,                     // [R] their logprobs (unused when chosen_ids is null)
     float* __restrict__ peak,                           // [R]
     double* __restrict__ log_total,                     // [R]
     long long* __restrict__ top_ids,                    // [R, k]
@@ -76,22 +82,46 @@ extern "C" __global__ void __launch_bounds__(THREADS) logsoftmax_topk(
     Best list[MAX_K];
     for (int c = 0; c < MAX_K; ++c) list[c] = Best{NEG_INF, 0x7fffffff};
     Best top{NEG_INF, 0x7fffffff};
-    for (long long t = threadIdx.x; t < vocab; t += THREADS) {
-        const Best candidate{x[t], (int)t};
-        if (better(candidate, top)) top = candidate;
-        if (k > 0 && better(candidate, list[k - 1])) {  // insert, keeping the list sorted
-            int c = k - 1;
-            while (c > 0 && better(candidate, list[c - 1])) { list[c] = list[c - 1]; --c; }
-            list[c] = candidate;
+    for (long long base = threadIdx.x; base < vocab; base += UNROLL * THREADS) {
+        float v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {  // loads first, all in flight together
+            const long long t = base + u * THREADS;
+            v[u] = t < vocab ? x[t] : NEG_INF;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long t = base + u * THREADS;
+            if (t >= vocab) break;
+            const Best candidate{v[u], (int)t};
+            if (better(candidate, top)) top = candidate;
+            if (k > 0 && better(candidate, list[k - 1])) {  // insert, keeping the list sorted
+                int c = k - 1;
+                while (c > 0 && better(candidate, list[c - 1])) { list[c] = list[c - 1]; --c; }
+                list[c] = candidate;
+            }
         }
     }
     const float row_peak = block_best(top, best_scratch).value;
 
     // ---- log sum exp ----
     double sum = 0.0;
-    for (long long t = threadIdx.x; t < vocab; t += THREADS) sum += (double)expf(x[t] - row_peak);
+    for (long long base = threadIdx.x; base < vocab; base += UNROLL * THREADS) {
+        float v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long t = base + u * THREADS;
+            v[u] = t < vocab ? x[t] : NEG_INF;  // exp(-inf) adds 0
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) sum += (double)expf(v[u] - row_peak);
+    }
     const double row_log_total = log(block_sum(sum, sum_scratch));
-    if (threadIdx.x == 0) { peak[r] = row_peak; log_total[r] = row_log_total; }
+    if (threadIdx.x == 0) {
+        peak[r] = row_peak;
+        log_total[r] = row_log_total;
+        if (chosen_ids != nullptr) chosen_lps[r] = (float)((double)(x[chosen_ids[r]] - row_peak) - row_log_total);
+    }
 
     // ---- k rounds of arg-max over the list heads ----
     int head = 0;

@@ -1,4 +1,4 @@
-"""Device arrays on their way to the host: one packed copy, started now and waited for later."""
+"""Device arrays on their way to the host: copies started now and waited for later."""
 
 from __future__ import annotations
 
@@ -6,49 +6,46 @@ from typing import Any
 
 import numpy as np
 
+ALIGNMENT = 16  # bytes: each array's place in the pinned buffer starts at a multiple of this
+
 
 class HostTransfer:
-    """Several device arrays of any shapes, brought to the host in ONE copy.
+    """Several device arrays of any shapes and dtypes, brought to the host together.
 
-    They travel flattened and concatenated as float64, which holds int32/int64 token ids (< 2**53),
-    booleans and float32 values exactly; each comes back as float64 in its own shape (a single array
-    travels as it is, in its own dtype: no packing kernels for the tokens of a plain step). With CuPy the
-    copy goes asynchronously, on the current stream, into pinned memory, and `result()` waits for
-    that copy only, not for work queued on the stream after it (the next step, say).
+    With CuPy each array goes as it is, in one asynchronous copy of its own, on the current stream,
+    into its place in one pinned buffer: no kernel packs them first (each CuPy kernel launch costs
+    the host more than a copy does). `result()` waits for those copies only, not for work queued on
+    the stream after them (the next step, say). With NumPy the arrays are taken as they are.
     """
 
     def __init__(self, xp: Any, arrays: list[Any]) -> None:
-        self._shapes = [a.shape for a in arrays]
-        self._event = self._packed = None
-        if not arrays:
-            self._host = np.empty(0)
-            return
-        if len(arrays) == 1:
-            packed = xp.ascontiguousarray(arrays[0]).ravel()  # [size]
-        else:
-            packed = xp.concatenate([a.astype(xp.float64).ravel() for a in arrays])  # [sum sizes]
+        self._event = self._sources = None
         if xp is np:
-            self._host = packed
+            self._arrays = [np.asarray(a) for a in arrays]
             return
         import cupyx
 
-        runtime = xp.cuda.runtime
-        stream = xp.cuda.get_current_stream()
-        self._host = cupyx.empty_pinned(packed.shape, packed.dtype)
-        runtime.memcpyAsync(self._host.ctypes.data, packed.data.ptr, packed.nbytes, runtime.memcpyDeviceToHost,
-                            stream.ptr)
+        sources = [xp.ascontiguousarray(a) for a in arrays]
+        offsets = np.cumsum([0] + [-(-a.nbytes // ALIGNMENT) * ALIGNMENT for a in sources])  # [N + 1]
+        host = cupyx.empty_pinned(int(offsets[-1]), np.uint8)  # [bytes]
+        runtime, stream = xp.cuda.runtime, xp.cuda.get_current_stream()
+        for a, offset in zip(sources, offsets):
+            if a.nbytes:
+                runtime.memcpyAsync(host.ctypes.data + int(offset), a.data.ptr, a.nbytes, runtime.memcpyDeviceToHost,
+                                    stream.ptr)
         self._event = stream.record()
-        self._packed = packed  # the source stays allocated until the copy is done
+        self._sources = sources  # stay allocated until the copies are done
+        self._arrays = [host[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
+                        for a, offset in zip(sources, offsets)]
 
     def result(self) -> list[np.ndarray]:
-        """The arrays on the host, in order (blocks until the copy is done)."""
+        """The arrays on the host, in order (blocks until the copies are done)."""
         if self._event is not None:
             self._event.synchronize()
-            self._event = self._packed = None
-        bounds = np.cumsum([0] + [int(np.prod(shape)) for shape in self._shapes])
-        return [self._host[lo:hi].reshape(shape) for shape, lo, hi in zip(self._shapes, bounds[:-1], bounds[1:])]
+            self._event = self._sources = None
+        return self._arrays
 
 
 def fetch_arrays(xp: Any, arrays: list[Any]) -> list[np.ndarray]:
-    """Several device arrays on the host now, in one transfer (see HostTransfer)."""
+    """Several device arrays on the host now (see HostTransfer)."""
     return HostTransfer(xp, arrays).result()

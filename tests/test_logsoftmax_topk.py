@@ -28,3 +28,19 @@ def test_kernel_matches_twin(num_rows: int, vocab: int, k: int, ties: bool) -> N
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)  # log_total
     np.testing.assert_array_equal(got[2], want[2])  # top ids: same order, same tie breaks
     np.testing.assert_allclose(got[3], want[3], atol=1e-5)
+
+
+@pytest.mark.parametrize("num_rows,k", [(1, 5), (64, 0), (33, 20)])
+def test_chosen_token_logprobs_match_twin(num_rows: int, k: int) -> None:
+    import cupy
+
+    from cupyspec.sampling.logprobs import logprobs_on_device
+
+    rng = np.random.default_rng(num_rows + k)
+    logits = (rng.standard_normal((num_rows, 49152)) * 4).astype(np.float32)
+    chosen = rng.integers(0, 49152, num_rows)
+    want = logprobs_on_device(np, logits, chosen, k)
+    got = [a.get() for a in logprobs_on_device(cupy, cupy.asarray(logits), cupy.asarray(chosen), k)]
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)  # the chosen tokens' logprobs
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], atol=1e-5)

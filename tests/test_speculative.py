@@ -286,7 +286,7 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
         seq.output_token_ids.append(emitted)
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)
-        drafter.observe_step(1, 1, 0, False, 1e-3)
+        drafter.observe_step(1, 1, 0, False, 1e-3, idle=1e-3)  # the host waits: budget for probes
     assert drafter.plan([seq], can_overlap=True) == {seq.seq_id: 3 if recovers else 0}
     assert seq.spec.num_draft_tokens == 0 and seq.spec.proposal_hit_rate > 0.99  # nothing was verified
 

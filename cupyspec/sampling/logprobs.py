@@ -57,9 +57,12 @@ def _check_logits(logits: Any, k: int) -> None:
 
 
 KERNEL_MAX_K = 20  # cuda/logsoftmax_topk.cu keeps at most this many candidates per thread
+KERNEL_THREADS = 1024  # THREADS in cuda/logsoftmax_topk.cu
+NULL_POINTER = np.int64(0)  # a kernel argument that passes a null pointer
 
 
-def _top_logprobs_cuda(logits: Any, rows: Any, k: int) -> tuple[Any, Any, Any, Any]:
+def _top_logprobs_cuda(logits: Any, rows: Any, k: int, chosen_ids: Any | None = None) -> tuple[Any, ...]:
+    """(peak, log_total, top ids, top logprobs, and the logprobs [R] f32 of chosen_ids [R] if given)."""
     import cupy as cp
 
     from cupyspec.kernels import load_kernel
@@ -67,11 +70,15 @@ def _top_logprobs_cuda(logits: Any, rows: Any, k: int) -> tuple[Any, Any, Any, A
     count = len(rows)
     peak, log_total = cp.empty(count, cp.float32), cp.empty(count, cp.float64)
     top_ids, top_lps = cp.empty((count, k), cp.int64), cp.empty((count, k), cp.float32)
+    chosen_lps = None if chosen_ids is None else cp.empty(count, cp.float32)
     if count:
         load_kernel("logsoftmax_topk", "logsoftmax_topk")(
-            (count,), (256,), (cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
-                               cp.asarray(rows, dtype=cp.int64), np.int32(k), peak, log_total, top_ids, top_lps))
-    return peak, log_total, top_ids, top_lps
+            (count,), (KERNEL_THREADS,), (cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
+                                          cp.asarray(rows, dtype=cp.int64), np.int32(k),
+                                          NULL_POINTER if chosen_ids is None else chosen_ids,
+                                          NULL_POINTER if chosen_lps is None else chosen_lps,
+                                          peak, log_total, top_ids, top_lps))
+    return (peak, log_total, top_ids, top_lps) + (() if chosen_lps is None else (chosen_lps,))
 
 
 def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None) -> tuple[Any, Any, Any, Any]:
@@ -99,6 +106,9 @@ def logprobs_on_device(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[An
     token_ids = xp.asarray(token_ids, dtype=xp.int64).reshape(-1)  # [R]
     if token_ids.shape[0] != logits.shape[0]:
         raise ValueError(f"token_ids has {token_ids.shape[0]} entries for {logits.shape[0]} logits rows")
+    if xp is not np and k <= KERNEL_MAX_K:  # one kernel, the chosen tokens' logprobs included
+        _, _, top_ids, top_lps, chosen = _top_logprobs_cuda(logits, xp.arange(logits.shape[0]), k, token_ids)
+        return chosen, top_ids, top_lps
     peak, log_total, top_ids, top_lps = top_logprobs_on_device(xp, logits, k)
     x = logits.astype(xp.float32, copy=False)
     return logprobs_at(xp, x, peak[:, None], log_total[:, None], token_ids[:, None])[:, 0], top_ids, top_lps

@@ -8,11 +8,27 @@ import numpy as np
 
 from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer
 
-_MAX_CHUNK = 16  # most context offsets compared in one vectorized round
+
+class _History:
+    """One sequence's tokens, with where each token and each pair of tokens ends (appended to as it grows)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.by_token: dict[int, list[int]] = {}  # token -> ascending positions holding it
+        self.by_pair: dict[tuple[int, int], list[int]] = {}  # (token, next) -> ascending positions of next
+
+    def extend(self, new: list[int]) -> None:
+        tokens, by_token, by_pair = self.tokens, self.by_token, self.by_pair
+        for token in new:
+            position = len(tokens)
+            by_token.setdefault(token, []).append(position)
+            if position:
+                by_pair.setdefault((tokens[-1], token), []).append(position)
+            tokens.append(token)
 
 
 class NgramProposer(Proposer):
-    """N-gram matching over each sequence's own prompt + output, vectorized over the whole batch.
+    """N-gram matching over each sequence's own prompt + output.
 
     For n from `ngram_max` down to `ngram_min`, the last n tokens are looked up among the earlier
     positions; the first n that occurs decides the match. Among that n-gram's occurrences the
@@ -26,7 +42,12 @@ class NgramProposer(Proposer):
 
     Drafts are the tokens that followed the occurrence. Where they run into the current end of the
     context (a periodic tail), they continue periodically, since the occurrence's continuation then
-    repeats the context's own tail. `propose` reuses a buffer, so one instance serves one thread.
+    repeats the context's own tail.
+
+    Each sequence keeps an index of where every token and every pair of tokens occurs, extended by
+    the tokens added since its last proposal, so a proposal compares only the occurrences of the
+    context's last pair (or, when the pair never occurred before, takes the last token's most
+    recent occurrence) and costs microseconds whatever the context's length.
     """
 
     method = "ngram"
@@ -39,58 +60,52 @@ class NgramProposer(Proposer):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.agreement_window = agreement_window
-        self._flat = np.zeros(0, dtype=np.int32)  # reused concatenation buffer (propose is not reentrant)
+        self._histories: dict[int, _History] = {}  # seq_id -> its indexed tokens
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         out = [NO_DRAFTS] * len(requests)
-        rows = [i for i, r in enumerate(requests) if r.max_drafts > 0 and r.token_ids.size > self.ngram_min]
-        if not rows:
-            return out
-        seqs = [requests[i].token_ids for i in rows]
-        lens = np.fromiter((s.size for s in seqs), dtype=np.int64, count=len(seqs))  # [B]
-        ends = np.cumsum(lens) - 1  # [B] flat index of each context's last token
-        starts = ends - lens + 1  # [B]
-        if self._flat.size < ends[-1] + 1:
-            self._flat = np.zeros(2 * (int(ends[-1]) + 1), dtype=np.int32)
-        flat = np.concatenate(seqs, out=self._flat[: int(ends[-1]) + 1])  # [S]
-        is_end = flat == np.repeat(flat[ends], lens)  # [S] an occurrence of the last token ends here
-        is_end[ends] = False  # ... other than the context's own end
-        cand = np.flatnonzero(is_end)  # [C] ascending, so grouped by row
-        if cand.size == 0:
-            return out
-        row = np.searchsorted(ends, cand)  # [C]
-        agree = self._agreement(flat, cand, row, starts, ends)  # [C]
-        keep = agree >= self.ngram_min
-        cand, row, agree = cand[keep], row[keep], agree[keep]
-        if cand.size == 0:
-            return out
-        key = agree * (flat.size + 1) + cand  # [C] per row: the longest agreement, then the most recent
-        rows_hit, first = np.unique(row, return_index=True)
-        best = np.maximum.reduceat(key, first) % (flat.size + 1)  # [R] flat index where the match ends
-        period = ends[rows_hit] - best  # [R] tokens after the occurrence up to the context's end
-        k = np.array([requests[rows[b]].max_drafts for b in rows_hit.tolist()])  # [R]
-        drafts = flat[best[:, None] + 1 + np.arange(k.max()) % period[:, None]]  # [R, max k]
-        for b, d, n in zip(rows_hit.tolist(), drafts, k.tolist()):
-            out[rows[b]] = Drafts(d[:n])
+        for i, r in enumerate(requests):
+            if r.max_drafts > 0 and r.token_ids.size > self.ngram_min:
+                drafts = self._drafts(self._history(r), r.max_drafts)
+                if drafts:
+                    out[i] = Drafts(np.array(drafts, dtype=np.int32))
         return out
 
-    def _agreement(self, flat: np.ndarray, cand: np.ndarray, row: np.ndarray, starts: np.ndarray,
-                   ends: np.ndarray) -> np.ndarray:
-        """For each candidate end, how many tokens (up to the window) agree with the context's tail."""
-        agree = np.ones(cand.size, dtype=np.int64)  # [C] the last token agrees by construction
-        idx = np.arange(cand.size)  # [A] candidates agreeing so far
-        shift = ends[row] - cand  # [A] distance from the candidate to its context's end
-        first = starts[row]  # [A] the context's first position
-        lo, width = 1, 1  # offsets [lo, lo + width) are compared next; most candidates fail early
-        while lo < self.agreement_window and idx.size:
-            back = np.arange(lo, min(lo + width, self.agreement_window))  # [W]
-            pos = cand[idx, None] - back  # [A, W]
-            inside = pos >= first[:, None]  # [A, W]
-            pos = np.maximum(pos, first[:, None])  # gather in range; positions outside are masked
-            same = inside & (flat[pos] == flat[pos + shift[:, None]])  # [A, W]
-            run = np.where(same.all(axis=1), back.size, same.argmin(axis=1))  # [A] agreeing offsets here
-            agree[idx] += run
-            full = run == back.size
-            idx, shift, first = idx[full], shift[full], first[full]
-            lo, width = lo + back.size, min(2 * width, _MAX_CHUNK)
-        return agree
+    def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
+        self._histories.pop(seq_id, None)
+
+    def _history(self, r: DraftRequest) -> _History:
+        """The sequence's index, extended to r.token_ids (rebuilt when they are not a continuation)."""
+        history = self._histories.get(r.seq_id)
+        known = 0 if history is None else len(history.tokens)
+        if history is None or r.token_ids.size < known or r.token_ids[known - 1] != history.tokens[-1]:
+            history = self._histories[r.seq_id] = _History()
+            known = 0
+        if r.token_ids.size > known:
+            history.extend(r.token_ids[known:].tolist())
+        return history
+
+    def _drafts(self, history: _History, max_drafts: int) -> list[int]:
+        """What followed the best occurrence of the context's tail (see the class docstring)."""
+        tokens, end, window = history.tokens, len(history.tokens) - 1, self.agreement_window
+        best, best_agreement = -1, 0
+        if window >= 2:  # occurrences of the last pair agree on 2 tokens at least; any of them beats the others
+            for candidate in reversed(history.by_pair.get((tokens[end - 1], tokens[end]), ())):
+                if candidate == end:
+                    continue
+                agreement = 2  # most recent first: a later candidate must agree strictly longer
+                while (agreement < window and candidate - agreement >= 0
+                       and tokens[candidate - agreement] == tokens[end - agreement]):
+                    agreement += 1
+                if agreement > best_agreement:
+                    best, best_agreement = candidate, agreement
+                    if agreement == window:
+                        break
+        if best < 0:  # no earlier pair: the last token's most recent earlier occurrence agrees on 1
+            positions = history.by_token[tokens[end]]
+            if len(positions) > 1:
+                best, best_agreement = positions[-2], 1
+        if best_agreement < self.ngram_min:
+            return []
+        period = end - best  # tokens after the occurrence up to the context's end
+        return [tokens[best + 1 + i % period] for i in range(max_drafts)]
