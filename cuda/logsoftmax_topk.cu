@@ -1,6 +1,6 @@
 // Row log-softmax normalizers and top-k; twin: top_logprobs_on_device in cupyspec/sampling/logprobs.py.
 //
-// One block per selected row r of logits [R, V] (rows[r] picks it). Outputs
+// One block per selected row r of logits [R, V] (rows[r] picks it; row r itself when rows is null). Outputs
 //   peak[r] = max_t x[t], log_total[r] = log sum_t exp(x[t] - peak) (f64 sum),
 //   the k largest entries, largest first, ties broken by the lower index, and their logprobs
 //   f32(f64(x[t] - peak) - log_total); when chosen_ids is given, the logprob of chosen_ids[r] too.
@@ -64,19 +64,19 @@ __device__ double block_sum(double mine, double* scratch) {
 
 extern "C" __global__ void __launch_bounds__(THREADS) logsoftmax_topk(
     const float* __restrict__ logits, long long vocab,   // [R_all, V]
-    const long long* __restrict__ rows,                 // [R] rows of logits to process
+    const long long* __restrict__ rows,                 // [R] rows of logits to process, or null: all
     int k,                                              // 0..MAX_K
     const long long* __restrict__ chosen_ids,           // [R] tokens whose logprobs are wanted too, or null
     float* __restrict__ chosen_lps,                     // [R] their logprobs (unused when chosen_ids is null)
-    float* __restrict__ peak,                           // [R]
-    double* __restrict__ log_total,                     // [R]
+    float* __restrict__ peak,                           // [R], or null: not wanted
+    double* __restrict__ log_total,                     // [R], or null: not wanted
     long long* __restrict__ top_ids,                    // [R, k]
     float* __restrict__ top_lps)                        // [R, k]
 {
     __shared__ Best best_scratch[THREADS / 32];
     __shared__ double sum_scratch[THREADS / 32];
     const int r = blockIdx.x;
-    const float* x = logits + rows[r] * vocab;
+    const float* x = logits + (rows != nullptr ? rows[r] : r) * vocab;
 
     // ---- this thread's k best, and its maximum ----
     Best list[MAX_K];
@@ -118,8 +118,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) logsoftmax_topk(
     }
     const double row_log_total = log(block_sum(sum, sum_scratch));
     if (threadIdx.x == 0) {
-        peak[r] = row_peak;
-        log_total[r] = row_log_total;
+        if (peak != nullptr) peak[r] = row_peak;
+        if (log_total != nullptr) log_total[r] = row_log_total;
         if (chosen_ids != nullptr) chosen_lps[r] = (float)((double)(x[chosen_ids[r]] - row_peak) - row_log_total);
     }
 

@@ -44,3 +44,15 @@ def test_chosen_token_logprobs_match_twin(num_rows: int, k: int) -> None:
     np.testing.assert_allclose(got[0], want[0], atol=1e-5)  # the chosen tokens' logprobs
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+
+
+def test_all_rows_by_default() -> None:
+    import cupy
+
+    logits = (np.random.default_rng(5).standard_normal((9, 1000)) * 4).astype(np.float32)
+    want = top_logprobs_on_device(np, logits, 4)
+    got = [a.get() for a in top_logprobs_on_device(cupy, cupy.asarray(logits), 4)]
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_allclose(got[3], want[3], atol=1e-5)

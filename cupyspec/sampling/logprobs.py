@@ -61,24 +61,26 @@ KERNEL_THREADS = 1024  # THREADS in cuda/logsoftmax_topk.cu
 NULL_POINTER = np.int64(0)  # a kernel argument that passes a null pointer
 
 
-def _top_logprobs_cuda(logits: Any, rows: Any, k: int, chosen_ids: Any | None = None) -> tuple[Any, ...]:
-    """(peak, log_total, top ids, top logprobs, and the logprobs [R] f32 of chosen_ids [R] if given)."""
+def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | None = None) -> tuple[Any, ...]:
+    """With chosen_ids [R]: (their logprobs [R] f32, top ids, top logprobs) of every row; else (peak,
+    log_total, top ids, top logprobs) of the rows picked by `rows` (None: all). One kernel launch."""
     import cupy as cp
 
     from cupyspec.kernels import load_kernel
 
-    count = len(rows)
-    peak, log_total = cp.empty(count, cp.float32), cp.empty(count, cp.float64)
+    count = logits.shape[0] if rows is None else len(rows)
     top_ids, top_lps = cp.empty((count, k), cp.int64), cp.empty((count, k), cp.float32)
-    chosen_lps = None if chosen_ids is None else cp.empty(count, cp.float32)
+    if chosen_ids is None:
+        chosen_lps, peak, log_total = None, cp.empty(count, cp.float32), cp.empty(count, cp.float64)
+    else:
+        chosen_lps, peak, log_total = cp.empty(count, cp.float32), None, None
     if count:
         load_kernel("logsoftmax_topk", "logsoftmax_topk")(
-            (count,), (KERNEL_THREADS,), (cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
-                                          cp.asarray(rows, dtype=cp.int64), np.int32(k),
-                                          NULL_POINTER if chosen_ids is None else chosen_ids,
-                                          NULL_POINTER if chosen_lps is None else chosen_lps,
-                                          peak, log_total, top_ids, top_lps))
-    return (peak, log_total, top_ids, top_lps) + (() if chosen_lps is None else (chosen_lps,))
+            (count,), (KERNEL_THREADS,), tuple(NULL_POINTER if a is None else a for a in (
+                cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
+                None if rows is None else cp.asarray(rows, dtype=cp.int64), np.int32(k), chosen_ids, chosen_lps,
+                peak, log_total, top_ids, top_lps)))
+    return (peak, log_total, top_ids, top_lps) if chosen_ids is None else (chosen_lps, top_ids, top_lps)
 
 
 def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None) -> tuple[Any, Any, Any, Any]:
@@ -87,11 +89,9 @@ def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None
     The normalizers give any other token's logprob later (`logprobs_at`). On a GPU this is one
     kernel, cuda/logsoftmax_topk.cu, with these lines as its twin."""
     _check_logits(logits, k)
-    if rows is None:
-        rows = xp.arange(logits.shape[0])
     if xp is not np and k <= KERNEL_MAX_K:
         return _top_logprobs_cuda(logits, rows, k)
-    x = logits[xp.asarray(rows)].astype(xp.float32, copy=False)  # [R, V]
+    x = (logits if rows is None else logits[xp.asarray(rows)]).astype(xp.float32, copy=False)  # [R, V]
     peak, log_total = log_normalizers(xp, x)
     top_ids = top_k_indices(xp, x, k)  # [R, k]
     return peak[:, 0], log_total[:, 0], top_ids, logprobs_at(xp, x, peak, log_total, top_ids)
@@ -107,8 +107,7 @@ def logprobs_on_device(xp: Any, logits: Any, token_ids: Any, k: int) -> tuple[An
     if token_ids.shape[0] != logits.shape[0]:
         raise ValueError(f"token_ids has {token_ids.shape[0]} entries for {logits.shape[0]} logits rows")
     if xp is not np and k <= KERNEL_MAX_K:  # one kernel, the chosen tokens' logprobs included
-        _, _, top_ids, top_lps, chosen = _top_logprobs_cuda(logits, xp.arange(logits.shape[0]), k, token_ids)
-        return chosen, top_ids, top_lps
+        return _top_logprobs_cuda(logits, None, k, token_ids)
     peak, log_total, top_ids, top_lps = top_logprobs_on_device(xp, logits, k)
     x = logits.astype(xp.float32, copy=False)
     return logprobs_at(xp, x, peak[:, None], log_total[:, None], token_ids[:, None])[:, 0], top_ids, top_lps
