@@ -13,7 +13,7 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import EXPLORE_STEPS, Drafter
+from cupyspec.spec.drafter import EXPLORE_SEQS, EXPLORE_STEPS, Drafter
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
 from cupyspec.spec.step_cost import MIN_STEPS, StepCost, StepCostModel
@@ -302,6 +302,23 @@ def test_a_run_of_drafting_steps_is_broken_to_measure_a_plain_one():
         plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
         drafter.observe_step(4, 1, plans[-1] > 0, False, 1e-3)
     assert [i for i, k in enumerate(plans) if k == 0] == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
+
+
+def test_a_run_of_steps_without_drafts_is_broken_to_measure_drafting_again():
+    """A cost fit that makes drafting look hopeless would never be corrected by steps that do not
+    draft: once every EXPLORE_STEPS steps the EXPLORE_SEQS likeliest sequences draft anyway."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 1.0, 1.0)  # a second per drafting sequence
+    seqs = [_decoding_seq(3, acceptance=0.5 + 0.04 * i) for i in range(EXPLORE_SEQS + 4)]
+    plans = []
+    for _ in range(2 * EXPLORE_STEPS + 2):
+        drafter._budget = 1.0  # the rule is evaluated at every step
+        plans.append(drafter.plan(seqs, can_overlap=True))
+        drafter.observe_step(len(seqs), len(seqs), sum(k > 0 for k in plans[-1].values()), True, 1e-3)
+    exploring = [i for i, plan in enumerate(plans) if any(plan.values())]
+    assert exploring == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
+    likeliest = {s.seq_id for s in seqs[-EXPLORE_SEQS:]}
+    assert plans[EXPLORE_STEPS] == {s.seq_id: 3 if s.seq_id in likeliest else 0 for s in seqs}
 
 
 def test_until_the_cost_fit_is_ready_every_other_step_drafts():

@@ -27,7 +27,8 @@ from cupyspec.speculative_config import SpeculativeConfig
 OVERHEAD_SHARE = 0.03  # of each step's wall time, for the overhead budget (module docstring)
 IDLE_SHARE = 0.5  # of the host's wait for the device, likewise (all of it would leave no slack for jitter)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
-EXPLORE_STEPS = 32  # cost-aware rule: after this many drafting steps in a row, one step without drafts
+EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kind, one of the other
+EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
 PRIOR_DECAY = 0.9  # weight kept by the server-wide estimates at each finished sequence
 
@@ -48,6 +49,7 @@ class Drafter:
         self._asked: set[int] = set()  # seq_ids asked for drafts this step
         self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
         self._drafting_streak = 0  # observed steps in a row that drafted
+        self._plain_streak = 0  # observed steps in a row that did not
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
         # server-wide draft acceptance and hit rate of recently finished sequences: a new one's prior
         self._acceptance, self._hit_rate = 1.0, 1.0
@@ -67,17 +69,28 @@ class Drafter:
         self.step_cost.observe(rows, seqs, drafting, synced, seconds)
         self.num_steps += 1
         self._drafting_streak = self._drafting_streak + 1 if drafting else 0
+        self._plain_streak = 0 if drafting else self._plain_streak + 1
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + IDLE_SHARE * idle)
 
     def plan(self, running: Seq[Sequence], can_overlap: bool) -> dict[int, int]:
         """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). After a plan
         without drafts the cost-aware rule is evaluated again only within the overhead budget
-        (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly. After
-        EXPLORE_STEPS drafting steps in a row it takes a step without drafts, so that the cost fit
-        keeps seeing what such a step costs now (it cannot tell from drafting steps alone)."""
-        if self.config.cost_aware_backoff and (self._drafting_streak >= EXPLORE_STEPS
-                                               or self._quiet and self._budget <= 0):
-            return {}
+        (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly.
+
+        The cost fit learns only from the steps the rule lets happen, so the rule explores: after
+        EXPLORE_STEPS drafting steps in a row it takes a step without drafts, and after as many
+        steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft as the fixed
+        rule lets them. Without the second, a cost learned at one load (drafting at concurrency 1
+        is one sequence drafting and one synchronous step at once, which no fit can tell apart)
+        kept speculation off at another load where it pays."""
+        if self.config.cost_aware_backoff:
+            if self._drafting_streak >= EXPLORE_STEPS:
+                return {}
+            if self._plain_streak >= EXPLORE_STEPS:
+                self._plain_streak = 0
+                return self._explore(running)
+            if self._quiet and self._budget <= 0:
+                return {}
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
         if cost is None and self.config.cost_aware_backoff and self.num_steps % 2:
@@ -87,6 +100,15 @@ class Drafter:
         if self._quiet:
             self._budget -= time.perf_counter() - started
         return limits
+
+    def _explore(self, running: Seq[Sequence]) -> dict[int, int]:
+        """The fixed rule's drafts for the EXPLORE_SEQS sequences likeliest to keep them (hit rate
+        times acceptance), none for the others."""
+        limits = draft_limits(running, self.config)
+        ranked = sorted((s for s in running if limits.get(s.seq_id)),
+                        key=lambda s: s.spec.proposal_hit_rate * s.spec.draft_acceptance, reverse=True)
+        chosen = {s.seq_id for s in ranked[:EXPLORE_SEQS]}
+        return {seq_id: k if seq_id in chosen else 0 for seq_id, k in limits.items()}
 
     def propose(self, running: Seq[Sequence], limits: dict[int, int]) -> None:
         """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none."""
