@@ -280,13 +280,15 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0.5)
     drafter = Drafter(config, _Constant())
     seq = _decoding_seq(3, acceptance=0.05)
-    assert drafter.plan([seq], can_overlap=True) == {seq.seq_id: 0}
-    for _ in range(80):
+    plans = []
+    for _ in range(80):  # (every EXPLORE_STEPS steps without drafts, one explores: its drafts are not verified here)
+        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
         drafter.after_step([seq])
         seq.output_token_ids.append(emitted)
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)
-        drafter.observe_step(1, 1, 0, False, 1e-3, idle=1e-3)  # the host waits: budget for probes
+        drafter.observe_step(1, 1, plans[-1] > 0, False, 1e-3, idle=1e-3)  # the host waits: budget for probes
+    assert plans[0] == 0
     assert drafter.plan([seq], can_overlap=True) == {seq.seq_id: 3 if recovers else 0}
     assert seq.spec.num_draft_tokens == 0 and seq.spec.proposal_hit_rate > 0.99  # nothing was verified
 
@@ -319,6 +321,35 @@ def test_a_run_of_steps_without_drafts_is_broken_to_measure_drafting_again():
     assert exploring == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
     likeliest = {s.seq_id for s in seqs[-EXPLORE_SEQS:]}
     assert plans[EXPLORE_STEPS] == {s.seq_id: 3 if s.seq_id in likeliest else 0 for s in seqs}
+
+
+def test_an_exploring_step_verifies_sequences_whatever_their_acceptance():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0.5)
+    drafter = Drafter(config, _Constant())
+    seq = _decoding_seq(3, acceptance=0.05)  # written off by the acceptance floor
+    plans = []
+    for _ in range(EXPLORE_STEPS + 1):
+        drafter._budget = 1.0
+        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
+        drafter.observe_step(1, 1, plans[-1] > 0, False, 1e-3)
+    assert plans == [0] * EXPLORE_STEPS + [3]
+
+
+def test_a_new_sequence_expects_what_finished_ones_showed_weighed_by_evidence():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    drafter = Drafter(config, _Constant())
+    assert drafter.new_stats().draft_acceptance == 1.0 and drafter.new_stats().proposal_hit_rate == 1.0
+    good, unlucky = _decoding_seq(5), _decoding_seq(5)
+    for _ in range(10):  # 4 of 5 drafts kept at every step
+        good.spec.record_proposal(True)
+        good.spec.record((True,) * 4 + (False,), 5)
+    unlucky.spec.record_proposal(True)
+    unlucky.spec.record((False,) * 5, 1)  # one step, nothing kept
+    drafter.on_sequence_finished(unlucky)
+    drafter.on_sequence_finished(good)
+    expected = (0.81 * 1 + 0.9 * 0 + 40) / (0.81 * 1 + 0.9 * 1 + 50)
+    assert drafter.new_stats().draft_acceptance == pytest.approx(expected)  # about 0.79, not dragged to 0
+    assert drafter.new_stats().proposal_hit_rate == 1.0
 
 
 def test_until_the_cost_fit_is_ready_every_other_step_drafts():

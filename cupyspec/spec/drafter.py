@@ -11,6 +11,7 @@ within a few percent of one that does not speculate.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 
@@ -30,7 +31,7 @@ OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
 EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kind, one of the other
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
-PRIOR_DECAY = 0.9  # weight kept by the server-wide estimates at each finished sequence
+PRIOR_DECAY = 0.9  # weight kept by the server-wide evidence at each finished sequence
 
 
 class Drafter:
@@ -51,15 +52,19 @@ class Drafter:
         self._drafting_streak = 0  # observed steps in a row that drafted
         self._plain_streak = 0  # observed steps in a row that did not
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
-        # server-wide draft acceptance and hit rate of recently finished sequences: a new one's prior
-        self._acceptance, self._hit_rate = 1.0, 1.0
+        # a new sequence's prior: the verified drafts and the proposals of recently finished sequences,
+        # summed with decay (each sequence weighs as much as its evidence), with one accepted test and
+        # one hit as the prior of the prior
+        self._accepted, self._tested, self._hits, self._proposals = 1.0, 1.0, 1.0, 1.0
+        # the fixed rule without its acceptance floor: what an exploring step drafts (see `plan`)
+        self._exploring = dataclasses.replace(config, min_acceptance_rate=0.0)
 
     def new_stats(self) -> SpecStats:
         """A new sequence's counters: with the cost-aware rule it expects what recent sequences got,
         until it learns its own; with the fixed rules it expects every draft to be accepted."""
         if not self.config.cost_aware_backoff:
             return SpecStats()
-        return SpecStats.expecting(self._acceptance, self._hit_rate)
+        return SpecStats.expecting(self._accepted / self._tested, self._hits / self._proposals)
 
     def observe_step(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float,
                      idle: float = 0.0) -> None:
@@ -79,8 +84,8 @@ class Drafter:
 
         The cost fit learns only from the steps the rule lets happen, so the rule explores: after
         EXPLORE_STEPS drafting steps in a row it takes a step without drafts, and after as many
-        steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft as the fixed
-        rule lets them. Without the second, a cost learned at one load (drafting at concurrency 1
+        steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
+        acceptance (`_explore`). Without the second, a cost learned at one load (drafting at concurrency 1
         is one sequence drafting and one synchronous step at once, which no fit can tell apart)
         kept speculation off at another load where it pays."""
         if self.config.cost_aware_backoff:
@@ -102,9 +107,10 @@ class Drafter:
         return limits
 
     def _explore(self, running: Seq[Sequence]) -> dict[int, int]:
-        """The fixed rule's drafts for the EXPLORE_SEQS sequences likeliest to keep them (hit rate
-        times acceptance), none for the others."""
-        limits = draft_limits(running, self.config)
+        """Drafts up to each sequence's limit for the EXPLORE_SEQS sequences likeliest to keep them
+        (hit rate times acceptance), whatever their acceptance, so that a sequence written off after
+        a few rejections is verified again now and then; none for the others."""
+        limits = draft_limits(running, self._exploring)
         ranked = sorted((s for s in running if limits.get(s.seq_id)),
                         key=lambda s: s.spec.proposal_hit_rate * s.spec.draft_acceptance, reverse=True)
         chosen = {s.seq_id for s in ranked[:EXPLORE_SEQS]}
@@ -144,7 +150,10 @@ class Drafter:
 
     def on_sequence_finished(self, seq: Sequence) -> None:
         self.shadows.forget(seq.seq_id)
-        self._acceptance = PRIOR_DECAY * self._acceptance + (1 - PRIOR_DECAY) * seq.spec.draft_acceptance
-        self._hit_rate = PRIOR_DECAY * self._hit_rate + (1 - PRIOR_DECAY) * seq.spec.proposal_hit_rate
+        spec = seq.spec
+        self._accepted = PRIOR_DECAY * self._accepted + spec.num_accepted_tokens
+        self._tested = PRIOR_DECAY * self._tested + spec.num_tested_tokens
+        self._hits = PRIOR_DECAY * self._hits + spec.num_hits
+        self._proposals = PRIOR_DECAY * self._proposals + spec.num_proposals
         self.proposer.on_sequence_finished(seq.seq_id, seq.request_id, np.asarray(seq.token_ids, dtype=np.int32),
                                            seq.num_prompt_tokens)

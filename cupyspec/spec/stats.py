@@ -16,6 +16,9 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_tested_tokens: int = 0  # verified drafts that decided a step: the accepted ones and each step's first rejected one
+    num_proposals: int = 0  # times the proposer was asked for drafts
+    num_hits: int = 0  # of those, times it proposed at least one
     # Recent per-draft acceptance, for the back-off rule: drafts accepted over drafts tested (the
     # accepted ones and the first rejected one of each step), weighted towards recent steps; one
     # accepted test as the prior.
@@ -39,6 +42,7 @@ class SpecStats:
         num_accepted = accepted.index(False) if False in accepted else len(accepted)
         self.num_draft_tokens += len(accepted)
         self.num_accepted_tokens += num_accepted
+        self.num_tested_tokens += num_accepted + (num_accepted < len(accepted))
         if len(self.accepted_per_position) < len(accepted):
             self.accepted_per_position += [0] * (len(accepted) - len(self.accepted_per_position))
         for j in range(num_accepted):
@@ -54,6 +58,8 @@ class SpecStats:
 
     def record_proposal(self, found: bool) -> None:
         """The proposer was asked for drafts; `found`: it proposed at least one."""
+        self.num_proposals += 1
+        self.num_hits += found
         self.recent_found = ACCEPTANCE_DECAY * self.recent_found + found
         self.recent_asked = ACCEPTANCE_DECAY * self.recent_asked + 1.0
 
@@ -62,6 +68,9 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_tested_tokens += other.num_tested_tokens
+        self.num_proposals += other.num_proposals
+        self.num_hits += other.num_hits
         longer = max(len(self.accepted_per_position), len(other.accepted_per_position))
         self.accepted_per_position = [
             (self.accepted_per_position[j] if j < len(self.accepted_per_position) else 0)
