@@ -258,9 +258,9 @@ class AsyncEngine:
                     continue
                 limits = self.drafter.plan(self.scheduler.running, overlap) if self.drafter is not None else {}
                 asking = sum(1 for k in limits.values() if k)
-                if asking and self._in_flight is not None:
+                if asking and self._in_flight is not None:  # drafts need its tokens; the plan stands
                     await self._finish_in_flight(steps)
-                    continue
+                    overlap = self._can_overlap()  # requests may have come meanwhile
                 if self.drafter is not None:
                     self.drafter.propose(self.scheduler.running, limits)
                 sched = self.scheduler.schedule()
