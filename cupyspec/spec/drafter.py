@@ -15,9 +15,8 @@ import dataclasses
 import time
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from cupyspec.sequence import Sequence
+from cupyspec.spec.contexts import Contexts
 from cupyspec.spec.policy import draft_limits
 from cupyspec.spec.proposer import DraftRequest, Proposer
 from cupyspec.spec.shadow import ShadowProbes
@@ -45,7 +44,8 @@ class Drafter:
         self.config, self.proposer = config, proposer
         self.step_cost = StepCostModel()  # what rows and drafting cost, for the back-off rule
         self.num_steps = 0  # engine steps observed
-        self.shadows = ShadowProbes()
+        self.contexts = Contexts()  # each sequence's tokens as an array, for the proposer
+        self.shadows = ShadowProbes(self.contexts)
         self._quiet = False  # the last plan drafted nothing
         self._asked: set[int] = set()  # seq_ids asked for drafts this step
         self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
@@ -125,8 +125,8 @@ class Drafter:
         self._drafted = asking
         if not asking:
             return
-        requests = [DraftRequest(seq.seq_id, seq.request_id, np.asarray(seq.token_ids, dtype=np.int32),
-                                 seq.num_prompt_tokens, limits[seq.seq_id]) for seq in asking]
+        requests = [DraftRequest(seq.seq_id, seq.request_id, self.contexts.of(seq), seq.num_prompt_tokens,
+                                 limits[seq.seq_id]) for seq in asking]
         for seq, drafts in zip(asking, self.proposer.propose(requests)):
             seq.draft_token_ids = drafts.token_ids[:limits[seq.seq_id]].tolist()
             seq.spec.record_proposal(bool(seq.draft_token_ids))
@@ -155,5 +155,5 @@ class Drafter:
         self._tested = PRIOR_DECAY * self._tested + spec.num_tested_tokens
         self._hits = PRIOR_DECAY * self._hits + spec.num_hits
         self._proposals = PRIOR_DECAY * self._proposals + spec.num_proposals
-        self.proposer.on_sequence_finished(seq.seq_id, seq.request_id, np.asarray(seq.token_ids, dtype=np.int32),
-                                           seq.num_prompt_tokens)
+        self.proposer.on_sequence_finished(seq.seq_id, seq.request_id, self.contexts.of(seq), seq.num_prompt_tokens)
+        self.contexts.forget(seq.seq_id)

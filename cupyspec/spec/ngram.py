@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer
+from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer, unseen_tokens
 
 
 class _History:
@@ -76,13 +76,12 @@ class NgramProposer(Proposer):
 
     def _history(self, r: DraftRequest) -> _History:
         """The sequence's index, extended to r.token_ids (rebuilt when they are not a continuation)."""
-        history = self._histories.get(r.seq_id)
-        known = 0 if history is None else len(history.tokens)
-        if history is None or r.token_ids.size < known or r.token_ids[known - 1] != history.tokens[-1]:
-            history = self._histories[r.seq_id] = _History()
-            known = 0
-        if r.token_ids.size > known:
-            history.extend(r.token_ids[known:].tolist())
+        history = self._histories.get(r.seq_id) or _History()
+        new = unseen_tokens(history.tokens, r.token_ids)
+        if new is None:
+            history, new = _History(), r.token_ids.tolist()
+        self._histories[r.seq_id] = history
+        history.extend(new)
         return history
 
     def _drafts(self, history: _History, max_drafts: int) -> list[int]:

@@ -62,6 +62,17 @@ class Drafts:
         return int(self.token_ids.size)
 
 
+def unseen_tokens(seen: Sequence[int], token_ids: np.ndarray) -> list[int] | None:
+    """The tokens of `token_ids` past the `seen` ones, if `token_ids` continues them; None if not
+    (shorter, or a different token where the seen ones end): state built on `seen` is stale.
+    Checks only the last seen token: a sequence's tokens only grow, so that tells a new sequence
+    from a continued one."""
+    num_seen = len(seen)
+    if token_ids.size < num_seen or (num_seen and token_ids[num_seen - 1] != seen[-1]):
+        return None
+    return token_ids[num_seen:].tolist()
+
+
 _EMPTY = np.zeros(0, dtype=np.int32)
 _EMPTY.flags.writeable = False
 NO_DRAFTS = Drafts(_EMPTY)  # the empty proposal (immutable, shared)

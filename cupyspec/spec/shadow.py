@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from cupyspec.sequence import Sequence
+from cupyspec.spec.contexts import Contexts
 from cupyspec.spec.proposer import DraftRequest, Proposer
 
 PROBE_INTERVAL = 8  # a sequence's decode steps between its shadow probes
@@ -25,7 +24,8 @@ PROBE_INTERVAL = 8  # a sequence's decode steps between its shadow probes
 class ShadowProbes:
     """The shadow drafts awaiting a score, and when each sequence was last probed."""
 
-    def __init__(self) -> None:
+    def __init__(self, contexts: Contexts) -> None:
+        self._contexts = contexts
         self._pending: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (position, drafts) awaiting a score
         self._probed_at: dict[int, int] = {}  # seq_id -> its spec.num_steps at its last shadow probe
 
@@ -51,8 +51,8 @@ class ShadowProbes:
                     break
         if not due:
             return
-        requests = [DraftRequest(seq.seq_id, seq.request_id, np.asarray(seq.tokens(0, known), dtype=np.int32),
-                                 seq.num_prompt_tokens, limit) for seq, known, limit in due]
+        requests = [DraftRequest(seq.seq_id, seq.request_id, self._contexts.of(seq, known), seq.num_prompt_tokens,
+                                 limit) for seq, known, limit in due]
         for (seq, known, limit), drafts in zip(due, proposer.propose(requests)):
             self._probed_at[seq.seq_id] = seq.spec.num_steps
             seq.spec.record_proposal(len(drafts) > 0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer
+from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer, unseen_tokens
 
 
 class _Node:
@@ -276,11 +276,13 @@ class SuffixProposer(Proposer):
         return bool(self._waiting)
 
     def _state(self, r: DraftRequest) -> _SeqState:
-        st = self._states.get(r.seq_id)
-        if st is None or r.token_ids.size < len(st.seq) or r.token_ids[len(st.seq) - 1] != st.seq[-1]:
-            st = self._states[r.seq_id] = _SeqState(self.max_tree_depth)
-        if r.token_ids.size > len(st.seq):
-            st.active = st.tree.extend(st.seq, st.active, r.token_ids[len(st.seq) :].tolist())
+        st = self._states.get(r.seq_id) or _SeqState(self.max_tree_depth)
+        new = unseen_tokens(st.seq, r.token_ids)
+        if new is None:
+            st, new = _SeqState(self.max_tree_depth), r.token_ids.tolist()
+        self._states[r.seq_id] = st
+        if new:
+            st.active = st.tree.extend(st.seq, st.active, new)
         return st
 
     def _speculate(self, st: _SeqState, max_drafts: int) -> list[int]:
