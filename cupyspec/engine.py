@@ -34,6 +34,7 @@ from cupyspec.sequence import Sequence
 from cupyspec.spec.drafter import Drafter
 from cupyspec.spec.factory import make_proposer
 from cupyspec.spec.stats import SpecStats
+from cupyspec.spec.step_cost import StepShape
 from cupyspec.speculative_config import RequestSpeculation
 from cupyspec.warm_up import warm_up
 from cupyspec.worker import StepThread
@@ -256,10 +257,13 @@ class AsyncEngine:
                     await self._idle()
                     mark = time.perf_counter()
                     continue
-                limits = self.drafter.plan(self.scheduler.running, overlap) if self.drafter is not None else {}
+                limits = self.drafter.plan(self.scheduler.running) if self.drafter is not None else {}
                 asking = sum(1 for k in limits.values() if k)
+                drain_seconds = 0.0
                 if asking and self._in_flight is not None:  # drafts need its tokens; the plan stands
+                    drain_started = time.perf_counter()
                     await self._finish_in_flight(steps)
+                    drain_seconds = time.perf_counter() - drain_started
                     overlap = self._can_overlap()  # requests may have come meanwhile
                 if self.drafter is not None:
                     self.drafter.propose(self.scheduler.running, limits)
@@ -272,8 +276,10 @@ class AsyncEngine:
                         await self._finish_in_flight(steps)
                     continue
                 inputs = self.runner.prepare(sched)
+                refilled = False
                 if overlap and not inputs.num_drafts.any():
                     previous = self._in_flight
+                    refilled = previous is None
                     launched, outputs = await steps.run(self.runner.launch_after, inputs,
                                                         previous and previous.launched)
                     self.scheduler.on_launched(sched)
@@ -288,8 +294,8 @@ class AsyncEngine:
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    self.drafter.observe_step(sched.num_tokens, len(sched.scheduled), asking, overlap and asking > 0,
-                                              now - mark, self.runner.device_wait)
+                    shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), drain_seconds, refilled)
+                    self.drafter.observe_step(shape, now - mark, self.runner.device_wait)
                     mark, self.runner.device_wait = now, 0.0
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine step failed")

@@ -112,8 +112,8 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
     between overlap. Whatever the mix, outputs are those of plain decoding one step at a time:
     `target_match` keeps seeded sampling exact too."""
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_strategy="target_match")
-    costs = {"drafting is free": StepCost(1e-3, 0.0, 0.0, 0.0, 0.0),
-             "drafting costs its overlap": StepCost(1e-3, 0.0, 0.0, 0.0, 1.0)}  # a second per synchronous step
+    costs = {"drafting is free": StepCost(1e-3, 0.0),
+             "drafting costs its overlap": StepCost(1e-3, 0.0, per_drafting_step=1.0)}  # a second per drafting step
 
     async def main():
         plain = await make_engine(tiny_gguf, overlap=False)

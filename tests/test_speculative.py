@@ -13,10 +13,10 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import EXPLORE_SEQS, EXPLORE_STEPS, Drafter
+from cupyspec.spec.drafter import EXPLORE_SEQS, EXPLORE_STEPS, WARM_UP_PERIOD, Drafter
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
-from cupyspec.spec.step_cost import MIN_STEPS, StepCost, StepCostModel
+from cupyspec.spec.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepCostModel, StepShape
 from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
 from tiny_models import tiny_model_paths
 
@@ -167,7 +167,7 @@ def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf, cost_
 
     async def main():
         engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5, cost_aware_backoff=cost_aware)
-        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)
+        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)
         first = await collect(engine, prompt, GREEDY)
         for _ in range(100):  # the idle engine caches the response
             await asyncio.sleep(0.001)
@@ -257,13 +257,13 @@ def test_a_drafting_step_must_also_pay_for_the_overlap_it_gives_up():
 
 def test_proposals_that_miss_lower_what_drafting_is_worth():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
-    cost = StepCost(1e-3, 10e-6, 0.0, 50e-6, 2e-3)
     missing = [_decoding_seq(5, acceptance=0.9, hit_rate=0.2), _decoding_seq(5, acceptance=0.9)]
-    # overlapped, the sequence whose proposer mostly misses makes drafting not pay; one step at a
-    # time there is no overlap to give up
-    assert list(draft_limits(missing[:1], config, cost, can_overlap=True).values()) == [0]
-    assert list(draft_limits(missing[:1], config, cost, can_overlap=False).values()) == [5]
-    assert list(draft_limits(missing, config, cost, can_overlap=True).values()) == [5, 5]
+    costly_step = StepCost(1e-3, 0.0, per_drafting_step=2e-3, per_draft_row=10e-6, per_drafting_seq=50e-6)
+    # when a drafting step costs much more than a draft-free one (overlap scheduling given up), the
+    # sequence whose proposer mostly misses makes drafting not pay, unlike one that finds drafts
+    assert list(draft_limits(missing[:1], config, costly_step).values()) == [0]
+    assert list(draft_limits(missing, config, costly_step).values()) == [5, 5]
+    assert list(draft_limits(missing[:1], config, replace(costly_step, per_drafting_step=0.0)).values()) == [5]
 
 
 class _Constant(Proposer):
@@ -282,14 +282,14 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
     seq = _decoding_seq(3, acceptance=0.05)
     plans = []
     for _ in range(80):  # (every EXPLORE_STEPS steps without drafts, one explores: its drafts are not verified here)
-        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
+        plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
         drafter.after_step([seq])
         seq.output_token_ids.append(emitted)
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)
-        drafter.observe_step(1, 1, plans[-1] > 0, False, 1e-3, idle=1e-3)  # the host waits: budget for probes
+        drafter.observe_step(StepShape(1, plans[-1] > 0), 1e-3, idle=1e-3)  # the host waits: budget for probes
     assert plans[0] == 0
-    assert drafter.plan([seq], can_overlap=True) == {seq.seq_id: 3 if recovers else 0}
+    assert drafter.plan([seq]).get(seq.seq_id, 0) == (3 if recovers else 0)
     assert seq.spec.num_draft_tokens == 0 and seq.spec.proposal_hit_rate > 0.99  # nothing was verified
 
 
@@ -297,30 +297,41 @@ def test_a_run_of_drafting_steps_is_broken_to_measure_a_plain_one():
     """The cost fit cannot tell what a step without drafts costs from drafting steps alone: the
     cost-aware rule skips drafting once every EXPLORE_STEPS steps."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)  # drafts are free
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
     seq = _decoding_seq(3)
     plans = []
     for _ in range(2 * EXPLORE_STEPS + 2):
-        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
-        drafter.observe_step(4, 1, plans[-1] > 0, False, 1e-3)
+        plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
+        drafter.observe_step(StepShape(4, plans[-1] > 0), 1e-3)
     assert [i for i, k in enumerate(plans) if k == 0] == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
+
+
+def _explorations(drafter: Drafter, seqs: list[Sequence], step_seconds: float) -> list[dict[int, int]]:
+    plans = []
+    for _ in range(2 * EXPLORE_STEPS + 2):
+        drafter._budget = 1.0  # the rule is evaluated at every step
+        plans.append(drafter.plan(seqs))
+        drafter.observe_step(StepShape(len(seqs), sum(k > 0 for k in plans[-1].values())), step_seconds)
+    return plans
 
 
 def test_a_run_of_steps_without_drafts_is_broken_to_measure_drafting_again():
     """A cost fit that makes drafting look hopeless would never be corrected by steps that do not
-    draft: once every EXPLORE_STEPS steps the EXPLORE_SEQS likeliest sequences draft anyway."""
+    draft: once every EXPLORE_STEPS steps the EXPLORE_SEQS likeliest sequences draft anyway, while
+    such a step adds at most 1 / EXPLORE_STEPS of the time since the last one."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, 0.0, 1.0, 1.0)  # a second per drafting sequence
+    # a drafting sequence adds 0.3 ms to a 1 ms step: never worth it for 3 drafts at these acceptances
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, per_drafting_seq=3e-4)
     seqs = [_decoding_seq(3, acceptance=0.5 + 0.04 * i) for i in range(EXPLORE_SEQS + 4)]
-    plans = []
-    for _ in range(2 * EXPLORE_STEPS + 2):
-        drafter._budget = 1.0  # the rule is evaluated at every step
-        plans.append(drafter.plan(seqs, can_overlap=True))
-        drafter.observe_step(len(seqs), len(seqs), sum(k > 0 for k in plans[-1].values()), True, 1e-3)
+    plans = _explorations(drafter, seqs, step_seconds=3e-3)  # 32 steps: 96 ms, at least 32 * 8 * 0.3 ms
     exploring = [i for i, plan in enumerate(plans) if any(plan.values())]
     assert exploring == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
     likeliest = {s.seq_id for s in seqs[-EXPLORE_SEQS:]}
     assert plans[EXPLORE_STEPS] == {s.seq_id: 3 if s.seq_id in likeliest else 0 for s in seqs}
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, per_drafting_seq=3e-4)
+    plans = _explorations(drafter, seqs, step_seconds=1e-3)  # 32 steps: 32 ms, less than 32 * 8 * 0.3 ms
+    assert not any(any(plan.values()) for plan in plans)
 
 
 def test_an_exploring_step_verifies_sequences_whatever_their_acceptance():
@@ -330,8 +341,8 @@ def test_an_exploring_step_verifies_sequences_whatever_their_acceptance():
     plans = []
     for _ in range(EXPLORE_STEPS + 1):
         drafter._budget = 1.0
-        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
-        drafter.observe_step(1, 1, plans[-1] > 0, False, 1e-3)
+        plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
+        drafter.observe_step(StepShape(1, plans[-1] > 0), 1e-3)
     assert plans == [0] * EXPLORE_STEPS + [3]
 
 
@@ -352,15 +363,17 @@ def test_a_new_sequence_expects_what_finished_ones_showed_weighed_by_evidence():
     assert drafter.new_stats().proposal_hit_rate == 1.0
 
 
-def test_until_the_cost_fit_is_ready_every_other_step_drafts():
+def test_until_the_cost_fit_is_ready_one_step_in_a_few_drafts():
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
     seq = _decoding_seq(3)
     plans = []
-    for _ in range(MIN_STEPS + 4):
-        plans.append(drafter.plan([seq], can_overlap=True).get(seq.seq_id, 0))
-        drafter.observe_step(1 + plans[-1], 1, plans[-1] > 0, plans[-1] > 0, 1e-3 + 1e-3 * (plans[-1] > 0))
-    assert plans[:MIN_STEPS] == [3, 0] * (MIN_STEPS // 2)  # the fit learns from both kinds of step
-    assert drafter.step_cost.fit() is not None
+    while drafter.step_cost.fit() is None:
+        assert len(plans) < WARM_UP_PERIOD * (MIN_PLAIN_STEPS + MIN_DRAFTING_STEPS)
+        plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
+        refilled = len(plans) > 1 and plans[-2] > 0  # under overlap scheduling, the step after a drafting one
+        drafter.observe_step(StepShape(1 + plans[-1], plans[-1] > 0, plans[-1], refilled=refilled),
+                             1e-3 + 1e-3 * (plans[-1] > 0))
+    assert plans == ([3] + [0] * (WARM_UP_PERIOD - 1)) * (len(plans) // WARM_UP_PERIOD) + [3] * (len(plans) % WARM_UP_PERIOD > 0)
 
 
 def test_proposal_hit_rate():
@@ -371,16 +384,20 @@ def test_proposal_hit_rate():
 
 
 def test_the_step_cost_fit_recovers_the_terms():
+    """Draft-free steps give the price of a row; drafting steps what drafting adds, net of the wait
+    for the step in flight; a refilled step (nothing to wait for) is not taken as a price."""
     model, rng = StepCostModel(), np.random.default_rng(0)
     assert model.fit() is None  # too few steps
-    for _ in range(200):
+    for _ in range(300):
         seqs = int(rng.integers(1, 257))
-        drafting = int(rng.integers(0, seqs + 1))
-        rows = seqs + drafting * int(rng.integers(1, 6))
-        synced = drafting > 0 and rng.random() < 0.7
-        seconds = 1e-3 + 4e-6 * rows + 30e-6 * seqs + 50e-6 * drafting + 2e-4 * synced
-        model.observe(rows, seqs, drafting, synced, seconds)
-    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 30e-6, 50e-6, 2e-4), rel=1e-6)
+        drafting = int(rng.integers(1, seqs + 1)) if rng.random() < 0.4 else 0
+        draft_rows = drafting * int(rng.integers(0, 6))
+        drain = float(rng.random() < 0.5) * 3e-4 * drafting / seqs
+        refilled = not drafting and rng.random() < 0.2
+        seconds = 1e-3 + 4e-6 * seqs + (2e-4 + 5e-6 * draft_rows + 30e-6 * drafting + drain if drafting else 0.0)
+        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, drain, refilled),
+                      seconds / 3 if refilled else seconds)
+    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 2e-4, 5e-6, 30e-6), rel=1e-6)
 
 
 def test_learned_costs_drive_the_back_off(tiny_gguf):
@@ -391,11 +408,12 @@ def test_learned_costs_drive_the_back_off(tiny_gguf):
         await engine.shutdown()
         return out["out"].speculate_metrics
 
-    free = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 0.0, 0.0)))
+    free = asyncio.run(metrics_with(StepCost(1e-3, 0.0)))
     assert len(free.accepted_per_position) == 3  # drafts that cost nothing: full steps of 3 drafts
-    costly = asyncio.run(metrics_with(StepCost(1e-3, 0.0, 0.0, 1.0, 0.0)))  # a second per drafting sequence
-    # only the exploring steps draft (one in EXPLORE_STEPS + 1), and their plans survive the wait
-    # for the step in flight that drafting needs
+    # drafting adds 10 times a draft-free step's time (as the fit has it; the tiny model's steps take
+    # longer, so exploring stays cheap): only the exploring steps draft (one in EXPLORE_STEPS + 1),
+    # and their plans survive the wait for the step in flight that drafting needs
+    costly = asyncio.run(metrics_with(StepCost(1e-5, 0.0, per_drafting_step=1e-4)))
     assert costly.num_steps > EXPLORE_STEPS
     assert 0 < costly.num_draft_tokens <= 3 * (costly.num_steps // EXPLORE_STEPS)
 

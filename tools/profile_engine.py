@@ -38,6 +38,9 @@ PHASES = {  # attribute path on the engine -> method names to time
 }
 
 
+RUNNING_BOUNDS = (1, 4, 16, 64, 10**9)  # groups of the per-step report by running sequences
+
+
 class PhaseTimer:
     """Seconds and calls per wrapped method, summed."""
 
@@ -99,9 +102,30 @@ async def main(args: argparse.Namespace) -> None:
         if owner is not None:
             for name in names:
                 timer.wrap(owner, name)
+    # per step: time, running sequences, tokens generated so far, whether it asked for drafts, whether it had some
+    trace: list[tuple[float, int, float, bool, bool]] = []
+    prepare, last_plan = engine.runner.prepare, [{}]
+
+    def traced_prepare(sched: Any) -> Any:
+        inputs = prepare(sched)
+        trace.append((time.perf_counter(), engine.scheduler.num_running, engine.metrics.generation_tokens.value(),
+                      any(last_plan[0].values()), bool(inputs.num_drafts.any())))
+        last_plan[0] = {}
+        return inputs
+
+    engine.runner.prepare = traced_prepare
+    if engine.drafter is not None:
+        plan = engine.drafter.plan
+
+        def traced_plan(*args: Any) -> dict[int, int]:
+            last_plan[0] = plan(*args)
+            return last_plan[0]
+
+        engine.drafter.plan = traced_plan
     try:
         await serve(engine, prompts[: args.concurrency], args.concurrency, args.endpoint, extra)  # warm-up
         timer.reset()
+        trace.clear()
         engine.runner.device_wait = 0.0
         started = time.perf_counter()
         totals = await serve(engine, prompts, args.concurrency, args.endpoint, extra)
@@ -116,7 +140,26 @@ async def main(args: argparse.Namespace) -> None:
               "phases": {name: {"calls": timer.calls[name], "us_per_call": 1e6 * timer.seconds[name] / timer.calls[name],
                                 "us_per_step": 1e6 * timer.seconds[name] / steps}
                          for name in sorted(timer.calls, key=lambda n: -timer.seconds[n])}}
+    report["by_running"] = by_running(trace)
     print(json.dumps(report, indent=1))
+
+
+def by_running(trace: list[tuple[float, int, float, bool, bool]]) -> dict[str, dict]:
+    """Steps grouped by how many sequences were running: their time, the tokens generated while they
+    ran (credited to the step that preceded their arrival), the share that asked for drafts and the
+    share that had some."""
+    groups: dict[str, list[float]] = {}
+    for (t0, running, tokens0, asked, drafted), (t1, _, tokens1, _, _) in zip(trace, trace[1:]):
+        label = next(f"<={bound}" for bound in RUNNING_BOUNDS if running <= bound)
+        group = groups.setdefault(label, [0, 0.0, 0.0, 0, 0])
+        group[0] += 1
+        group[1] += t1 - t0
+        group[2] += tokens1 - tokens0
+        group[3] += asked
+        group[4] += drafted
+    return {label: {"steps": n, "seconds": round(sec, 4), "tok_per_s": round(tok / sec, 1) if sec else None,
+                    "asking_share": round(a / n, 3), "drafting_share": round(d / n, 3)}
+            for label, (n, sec, tok, a, d) in sorted(groups.items(), key=lambda kv: int(kv[0][2:]))}
 
 
 if __name__ == "__main__":

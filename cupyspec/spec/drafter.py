@@ -21,7 +21,7 @@ from cupyspec.spec.policy import draft_limits
 from cupyspec.spec.proposer import DraftRequest, Proposer
 from cupyspec.spec.shadow import ShadowProbes
 from cupyspec.spec.stats import SpecStats
-from cupyspec.spec.step_cost import StepCostModel
+from cupyspec.spec.step_cost import StepCostModel, StepShape
 from cupyspec.speculative_config import SpeculativeConfig
 
 OVERHEAD_SHARE = 0.03  # of each step's wall time, for the overhead budget (module docstring)
@@ -31,6 +31,9 @@ EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kin
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
 PRIOR_DECAY = 0.9  # weight kept by the server-wide evidence at each finished sequence
+# cost-aware rule, until the cost fit is ready: one step in this many drafts (under overlap
+# scheduling the step after a drafting one has no step to wait for, so the next shows a plain step's price)
+WARM_UP_PERIOD = 3
 
 
 class Drafter:
@@ -51,6 +54,7 @@ class Drafter:
         self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
         self._drafting_streak = 0  # observed steps in a row that drafted
         self._plain_streak = 0  # observed steps in a row that did not
+        self._plain_seconds = 0.0  # their wall time
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
         # a new sequence's prior: the verified drafts and the proposals of recently finished sequences,
         # summed with decay (each sequence weighs as much as its evidence), with one accepted test and
@@ -66,18 +70,17 @@ class Drafter:
             return SpecStats()
         return SpecStats.expecting(self._accepted / self._tested, self._hits / self._proposals)
 
-    def observe_step(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float,
-                     idle: float = 0.0) -> None:
-        """One engine step's wall time, with its rows, sequences, how many of them asked for drafts,
-        and whether drafting made it give up overlap scheduling; `idle`: seconds of it the host
+    def observe_step(self, shape: StepShape, seconds: float, idle: float = 0.0) -> None:
+        """One engine step's wall time and shape (step_cost.py); `idle`: seconds of it the host
         spent waiting for the device."""
-        self.step_cost.observe(rows, seqs, drafting, synced, seconds)
+        self.step_cost.observe(shape, seconds)
         self.num_steps += 1
-        self._drafting_streak = self._drafting_streak + 1 if drafting else 0
-        self._plain_streak = 0 if drafting else self._plain_streak + 1
+        self._drafting_streak = self._drafting_streak + 1 if shape.drafting else 0
+        self._plain_streak = 0 if shape.drafting else self._plain_streak + 1
+        self._plain_seconds = 0.0 if shape.drafting else self._plain_seconds + seconds
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + IDLE_SHARE * idle)
 
-    def plan(self, running: Seq[Sequence], can_overlap: bool) -> dict[int, int]:
+    def plan(self, running: Seq[Sequence]) -> dict[int, int]:
         """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). After a plan
         without drafts the cost-aware rule is evaluated again only within the overhead budget
         (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly.
@@ -85,26 +88,35 @@ class Drafter:
         The cost fit learns only from the steps the rule lets happen, so the rule explores: after
         EXPLORE_STEPS drafting steps in a row it takes a step without drafts, and after as many
         steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
-        acceptance (`_explore`). Without the second, a cost learned at one load (drafting at concurrency 1
+        acceptance (`_explore`), if what such a step adds is at most 1 / EXPLORE_STEPS of the
+        time since the last drafting step (at a load where drafting steps are dear, exploring waits
+        longer). Without the second, a cost learned at one load (drafting at concurrency 1
         is one sequence drafting and one synchronous step at once, which no fit can tell apart)
         kept speculation off at another load where it pays."""
         if self.config.cost_aware_backoff:
             if self._drafting_streak >= EXPLORE_STEPS:
                 return {}
-            if self._plain_streak >= EXPLORE_STEPS:
-                self._plain_streak = 0
+            if self._plain_streak >= EXPLORE_STEPS and self._exploring_pays():
+                self._plain_streak, self._plain_seconds = 0, 0.0
                 return self._explore(running)
             if self._quiet and self._budget <= 0:
                 return {}
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
-        if cost is None and self.config.cost_aware_backoff and self.num_steps % 2:
-            return {}  # until the fit is ready, every other step runs without drafts: it needs both kinds
-        limits = draft_limits(running, self.config, cost, can_overlap)
+        if cost is None and self.config.cost_aware_backoff and self.num_steps % WARM_UP_PERIOD:
+            return {}  # until the fit is ready, one step in WARM_UP_PERIOD drafts: it needs both kinds
+        limits = draft_limits(running, self.config, cost)
         self._quiet = not any(limits.values())
         if self._quiet:
             self._budget -= time.perf_counter() - started
         return limits
+
+    def _exploring_pays(self) -> bool:
+        """An exploring step's added time is within 1 / EXPLORE_STEPS of the draft-free time before it."""
+        cost = self.step_cost.fit()
+        added = 0.0 if cost is None else cost.drafting_seconds(EXPLORE_SEQS * self.config.num_speculative_tokens,
+                                                               EXPLORE_SEQS)
+        return added * EXPLORE_STEPS <= self._plain_seconds
 
     def _explore(self, running: Seq[Sequence]) -> dict[int, int]:
         """Drafts up to each sequence's limit for the EXPLORE_SEQS sequences likeliest to keep them

@@ -10,9 +10,10 @@
    estimates current through shadow probes (`cupyspec/spec/shadow.py`): now and then its proposer is
    asked for drafts that are not verified but scored, steps later, against the tokens emitted
    since, which costs the device nothing.
-3. Drafts cost time: the engine learns what a step costs per row, per drafting sequence, and for
-   giving up overlap scheduling (`StepCostModel`): a step without drafts is launched before the
-   host has seen the tokens of the step before, a drafting step waits for them. Each step takes the
+3. Drafts cost time: the engine learns what a draft-free step costs, and what drafting adds to a
+   step per draft row, per drafting sequence and per step (`StepCostModel`; under overlap
+   scheduling a draft-free step is launched before the host has seen the tokens of the step
+   before, a drafting step runs one step at a time). Each step takes the
    drafts that maximize the expected tokens emitted per second of the step (the ratio is maximized
    exactly, by Dinkelbach's iteration), or none when a draft-free step emits more per second.
    With few sequences and repetitive text every useful draft is taken; as the batch grows, or
@@ -33,13 +34,8 @@ from cupyspec.speculative_config import SpeculativeConfig
 DINKELBACH_ITERATIONS = 16
 
 
-def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None,
-                 can_overlap: bool = False) -> dict[int, int]:
-    """seq_id -> the most drafts that decoding sequence may ask for now.
-
-    cost: None before it is learned; can_overlap: a draft-free step would run overlapped, so
-    drafting gives that up.
-    """
+def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None) -> dict[int, int]:
+    """seq_id -> the most drafts that decoding sequence may ask for now; cost: None before it is learned."""
     decoding: list[Sequence] = []
     rates: list[tuple[float, float, int]] = []  # (acceptance, hit rate, most drafts) of each decoding sequence
     for s in running:  # one pass: this runs under load, on every sequence
@@ -54,9 +50,8 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
     acceptance, hit_rate, limits = (np.array(column) for column in zip(*rates))  # [S] each
     limits = np.where(acceptance < config.min_acceptance_rate, 0, limits)
     if cost is not None and limits.any():
-        limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running), len(running)),
-                             cost.per_row, cost.per_drafting_seq, cost.per_synced_step if can_overlap else 0.0,
-                             hit_rate)
+        limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running)), cost.per_draft_row,
+                             cost.per_drafting_seq, cost.per_drafting_step, hit_rate)
     limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
     return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
 

@@ -18,7 +18,7 @@ from cupyspec.sequence import Sequence
 from cupyspec.spec.contexts import Contexts
 from cupyspec.spec.proposer import DraftRequest, Proposer
 
-PROBE_INTERVAL = 8  # a sequence's decode steps between its shadow probes
+PROBE_INTERVAL = 1  # a sequence's decode steps between its shadow probes
 
 
 class ShadowProbes:
@@ -64,15 +64,16 @@ class ShadowProbes:
         self._probed_at.pop(seq_id, None)
 
     def _score(self, seq: Sequence, known: int) -> bool:
-        """Score the pending shadow drafts of `seq` if its tokens have caught up with them; whether
-        it is free for new ones."""
+        """Score the pending shadow drafts of `seq` once the tokens emitted since decide them (all
+        of them came, or one that differs from its draft); whether it is free for new ones."""
         pending = self._pending.get(seq.seq_id)
         if pending is None:
             return True
         start, drafts = pending
-        if known < start + len(drafts):
-            return False
+        emitted = seq.tokens(start, min(known, start + len(drafts)))
+        kept = next((j for j, (d, t) in enumerate(zip(drafts, emitted)) if d != t), len(emitted))
+        if kept == len(emitted) < len(drafts):
+            return False  # all kept so far: the rest is still to come
         del self._pending[seq.seq_id]
-        emitted = seq.tokens(start, start + len(drafts))
-        seq.spec.learn(next((j for j, (d, t) in enumerate(zip(drafts, emitted)) if d != t), len(drafts)), len(drafts))
+        seq.spec.learn(kept, len(drafts))
         return True

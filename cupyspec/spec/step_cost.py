@@ -1,78 +1,128 @@
-"""What an engine step costs, learned online:
-seconds = fixed + per row + per sequence + per drafting sequence + per synchronous drafting step.
+"""What engine steps cost, learned online, for the back-off rule (`cupyspec/spec/policy.py`).
 
-The engine reports, for each step, the wall time since the step before (scheduling, forward pass,
-sampling or verification, output processing, and any wait for the step before to drain: everything
-the loop spends per step) with its rows, its sequences, how many of them asked for drafts, and
-whether drafting made the step give up overlap scheduling (a draft-free step is launched before
-the host has the tokens of the step before; a drafting step waits for them, since the proposers
-read every token). An exponentially weighted least-squares fit of those five terms gives the
-back-off rule (`cupyspec/spec/policy.py`) the price of a draft row, of a sequence that drafts at
-all, and of a step that drafts, on this machine, model and load.
+The engine reports each step's wall time since the step before (scheduling, forward pass, sampling
+or verification, output processing, waits for the device: everything the loop spends per step) with
+its shape (`StepShape`). Two estimates come out of them, each an exponentially weighted least-squares
+fit over recent steps:
+
+- a draft-free step: seconds = fixed + per_row * rows, over the draft-free steps;
+- what drafting adds to a step: seconds = per_drafting_step + per_draft_row * draft rows
+  + per_drafting_seq * drafting sequences, over the drafting steps, each measured against the
+  first estimate at its own rows. Under overlap scheduling a drafting step runs one step at a time
+  (the proposers read every token), so its host work is no longer hidden behind the device: that
+  shows in `per_drafting_step`.
+
+Two moves of time are left out. The first drafting step after draft-free ones waits for the step
+in flight (`drain_seconds`), and the first draft-free step after a drafting one has no step to wait
+for (`refilled`): the wait moves from one step to the other, so the drain is not charged to
+drafting and the refilled step is not taken as a draft-free step's price. Each fit alone has few
+terms that vary (the intercept and one slope), which keeps it stable over the few dozen steps it
+remembers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-DECAY = 0.97  # weight kept by past steps at each new one (about 30 steps of memory)
-MIN_STEPS = 16  # steps observed before the fit is used
+PLAIN_DECAY = 0.9  # weight kept by past draft-free steps at each new one (about 10 steps of memory: follows the load)
+DRAFTING_DECAY = 0.97  # likewise for drafting steps (about 30 of them)
+MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
+MIN_DRAFTING_STEPS = 4  # drafting steps, likewise
 REFIT_STEPS = 4  # the fit is brought up to date when asked, at most every this many steps
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
 
+class StepShape(NamedTuple):
+    """What an engine step's cost depends on (module docstring)."""
+
+    rows: int  # rows of the forward pass, drafts included
+    drafting: int = 0  # sequences that asked for drafts
+    draft_rows: int = 0  # rows that verify drafts
+    drain_seconds: float = 0.0  # its wait for the draft-free step in flight, before drafting
+    refilled: bool = False  # a draft-free step launched with no step in flight, under overlap scheduling
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per step: fixed + per_row * rows + per_seq * sequences + per_drafting_seq * drafting
-    + per_synced_step * synced (1 for a step that gave up overlap scheduling to draft, else 0)."""
+    """A draft-free step's seconds, fixed + per_row * rows; and what drafting adds to a step."""
 
     fixed: float
     per_row: float
-    per_seq: float
-    per_drafting_seq: float
-    per_synced_step: float = 0.0
+    per_drafting_step: float = 0.0
+    per_draft_row: float = 0.0
+    per_drafting_seq: float = 0.0
 
-    def seconds(self, rows: float, seqs: float, drafting: float = 0, synced: bool = False) -> float:
-        return (self.fixed + self.per_row * rows + self.per_seq * seqs + self.per_drafting_seq * drafting
-                + self.per_synced_step * synced)
+    def seconds(self, rows: float) -> float:
+        """A draft-free step of `rows` rows."""
+        return self.fixed + self.per_row * rows
+
+    def drafting_seconds(self, draft_rows: float, drafting: float) -> float:
+        """What drafting adds to a step, with `draft_rows` draft rows of `drafting` sequences."""
+        return self.per_drafting_step + self.per_draft_row * draft_rows + self.per_drafting_seq * drafting
+
+
+class _WeightedLeastSquares:
+    """y = x . terms over observations weighted by decay ** (observations since); terms clipped at 0."""
+
+    def __init__(self, num_terms: int, decay: float) -> None:
+        self.decay = decay
+        self.gram = np.zeros((num_terms, num_terms))  # [T, T] weighted sum of x x^T
+        self.moment = np.zeros(num_terms)  # [T] weighted sum of x * y
+        self.count = 0
+        self._terms: np.ndarray | None = None  # [T] the last solution
+        self._solved_at = 0  # count when solved
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        v = np.array(x)
+        self.gram = self.decay * self.gram + np.outer(v, v)
+        self.moment = self.decay * self.moment + v * y
+        self.count += 1
+
+    def terms(self, min_count: int) -> np.ndarray | None:
+        """The solution, as of at most REFIT_STEPS - 1 observations ago; None before `min_count`.
+        Minimum norm: a term that has not varied gets no share of the intercept."""
+        if self.count < min_count:
+            return None
+        if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
+            solution = np.linalg.lstsq(self.gram, self.moment, rcond=1e-9)[0]
+            self._terms, self._solved_at = np.maximum(solution, 0.0), self.count
+        return self._terms
 
 
 class StepCostModel:
-    """Exponentially weighted least squares over the steps observed so far."""
+    """The two fits of the module docstring."""
 
     def __init__(self) -> None:
-        self._gram = np.zeros((5, 5))  # [5, 5] weighted sum of x x^T
-        self._moment = np.zeros(5)  # [5] weighted sum of x * seconds
-        self._recent: list[tuple[float, float, float, float, float, float]] = []  # observations not folded in yet
+        self._plain = _WeightedLeastSquares(2, PLAIN_DECAY)  # (1, rows) -> seconds
+        self._drafting = _WeightedLeastSquares(3, DRAFTING_DECAY)  # (1, draft rows, drafting) -> added seconds
         self.num_steps = 0
-        self._fit: StepCost | None = None
-        self._fitted_at = 0  # num_steps when _fit was computed
 
-    def observe(self, rows: int, seqs: int, drafting: int, synced: bool, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
         garbage collection) is capped, so that one hiccup does not stop speculation for long."""
-        if self._fit is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * self._fit.seconds(rows, seqs, drafting, synced))
-        self._recent.append((1.0, rows, seqs, drafting, float(synced), seconds))
         self.num_steps += 1
+        plain = self._plain.terms(MIN_PLAIN_STEPS)
+        if not shape.drafting:
+            if not shape.refilled:
+                if plain is not None:
+                    seconds = min(seconds, OUTLIER_FACTOR * (plain[0] + plain[1] * shape.rows))
+                self._plain.observe((1.0, shape.rows), seconds)
+            return
+        if plain is None:  # nothing to measure drafting against yet
+            return
+        base = plain[0] + plain[1] * (shape.rows - shape.draft_rows)
+        x = (1.0, shape.draft_rows, shape.drafting)
+        fit = self.fit()
+        if fit is not None:
+            seconds = min(seconds, OUTLIER_FACTOR * (base + fit.drafting_seconds(shape.draft_rows, shape.drafting)))
+        self._drafting.observe(x, seconds - shape.drain_seconds - base)
 
     def fit(self) -> StepCost | None:
-        """The estimate (terms clipped at 0) as of at most REFIT_STEPS - 1 steps ago, or None before
-        MIN_STEPS steps."""
-        if self.num_steps >= MIN_STEPS and (self._fit is None or self.num_steps - self._fitted_at >= REFIT_STEPS):
-            self._fold()
-            # minimum-norm solution: a term that has not varied (no drafts yet) gets no share
-            terms = np.linalg.lstsq(self._gram, self._moment, rcond=1e-9)[0]
-            self._fit, self._fitted_at = StepCost(*np.maximum(terms, 0.0).tolist()), self.num_steps
-        return self._fit
-
-    def _fold(self) -> None:
-        """Add the recent observations to the weighted sums, each decayed by the steps after it."""
-        recent = np.array(self._recent)  # [K, 6]: x (5 terms), seconds
-        self._recent.clear()
-        weights = DECAY ** np.arange(len(recent) - 1, -1, -1)  # [K]
-        x, seconds = recent[:, :5], recent[:, 5]
-        self._gram = DECAY ** len(recent) * self._gram + (x * weights[:, None]).T @ x
-        self._moment = DECAY ** len(recent) * self._moment + (x * (weights * seconds)[:, None]).sum(axis=0)
+        """The estimate, or None before MIN_PLAIN_STEPS draft-free and MIN_DRAFTING_STEPS drafting steps."""
+        plain, drafting = self._plain.terms(MIN_PLAIN_STEPS), self._drafting.terms(MIN_DRAFTING_STEPS)
+        if plain is None or drafting is None:
+            return None
+        return StepCost(*plain.tolist(), *drafting.tolist())
