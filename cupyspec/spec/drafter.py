@@ -31,7 +31,7 @@ EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kin
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
 PRIOR_DECAY = 0.9  # weight kept by the server-wide evidence at each finished sequence
-# cost-aware rule, until the cost fit is ready: one step in this many drafts (under overlap
+# cost-aware rule, until the cost fit is ready: one step in this many explores (under overlap
 # scheduling the step after a drafting one has no step to wait for, so the next shows a plain step's price)
 WARM_UP_PERIOD = 3
 
@@ -103,8 +103,8 @@ class Drafter:
                 return {}
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
-        if cost is None and self.config.cost_aware_backoff and self.num_steps % WARM_UP_PERIOD:
-            return {}  # until the fit is ready, one step in WARM_UP_PERIOD drafts: it needs both kinds
+        if cost is None and self.config.cost_aware_backoff:  # until the fit is ready, it needs both kinds
+            return {} if self.num_steps % WARM_UP_PERIOD else self._explore(running, self.config)
         limits = draft_limits(running, self.config, cost)
         self._quiet = not any(limits.values())
         if self._quiet:
@@ -118,11 +118,12 @@ class Drafter:
                                                                EXPLORE_SEQS)
         return added * EXPLORE_STEPS <= self._plain_seconds
 
-    def _explore(self, running: Seq[Sequence]) -> dict[int, int]:
-        """Drafts up to each sequence's limit for the EXPLORE_SEQS sequences likeliest to keep them
-        (hit rate times acceptance), whatever their acceptance, so that a sequence written off after
-        a few rejections is verified again now and then; none for the others."""
-        limits = draft_limits(running, self._exploring)
+    def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig | None = None) -> dict[int, int]:
+        """Drafts up to each sequence's limit under the fixed `rule` for the EXPLORE_SEQS sequences
+        likeliest to keep them (hit rate times acceptance); none for the others. The default rule
+        drops the acceptance floor, so that a sequence written off after a few rejections is
+        verified again now and then."""
+        limits = draft_limits(running, rule or self._exploring)
         ranked = sorted((s for s in running if limits.get(s.seq_id)),
                         key=lambda s: s.spec.proposal_hit_rate * s.spec.draft_acceptance, reverse=True)
         chosen = {s.seq_id for s in ranked[:EXPLORE_SEQS]}
@@ -132,7 +133,7 @@ class Drafter:
         """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none."""
         for seq in self._drafted:
             seq.draft_token_ids = []
-        asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0] if limits else []
+        asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0] if any(limits.values()) else []
         self._asked = {seq.seq_id for seq in asking}
         self._drafted = asking
         if not asking:

@@ -1,9 +1,10 @@
 """Shadow probes: drafts that are never verified but scored, later, against the tokens emitted since.
 
 A sequence that does not draft learns nothing from verification, yet its text may turn
-predictable (a code block it starts to copy). Every PROBE_INTERVAL of its decode steps its
-proposer is asked for drafts from the tokens the host has; once the sequence has emitted that many
-more tokens, the drafts are compared with them. That costs the device nothing, and estimates
+predictable (a code block it starts to copy). Its proposer is asked for drafts from the tokens
+the host has, at most every PROBE_INTERVAL of its decode steps and once the last probe is decided:
+the drafts are compared with the tokens emitted since as soon as those decide them (one differs
+from its draft, or all came), and the probe is scored. That costs the device nothing, and estimates
 acceptance without bias: a greedy target accepts exactly the drafts equal to its tokens, and a
 sampling one accepts a one-hot draft with the probability that it samples that token. (A proposer
 with draft distributions of its own would need the residual rule instead; none has one yet.)

@@ -30,7 +30,7 @@ import numpy as np
 PLAIN_DECAY = 0.9  # weight kept by past draft-free steps at each new one (about 10 steps of memory: follows the load)
 DRAFTING_DECAY = 0.97  # likewise for drafting steps (about 30 of them)
 MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
-MIN_DRAFTING_STEPS = 4  # drafting steps, likewise
+MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
 REFIT_STEPS = 4  # the fit is brought up to date when asked, at most every this many steps
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
@@ -115,9 +115,9 @@ class StepCostModel:
             return
         base = plain[0] + plain[1] * (shape.rows - shape.draft_rows)
         x = (1.0, shape.draft_rows, shape.drafting)
-        fit = self.fit()
-        if fit is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * (base + fit.drafting_seconds(shape.draft_rows, shape.drafting)))
+        drafting = self._drafting.terms(MIN_DRAFTING_STEPS)
+        if drafting is not None:
+            seconds = min(seconds, OUTLIER_FACTOR * (base + float(np.dot(drafting, x))))
         self._drafting.observe(x, seconds - shape.drain_seconds - base)
 
     def fit(self) -> StepCost | None:
