@@ -295,8 +295,8 @@ class AsyncEngine:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
                     shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), drain_seconds, refilled)
-                    self.drafter.observe_step(shape, now - mark, self.runner.device_wait)
-                    mark, self.runner.device_wait = now, 0.0
+                    self.drafter.observe_step(shape, now - mark)
+                    mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine step failed")
             self._closed = True

@@ -15,7 +15,6 @@ step is verified, and waited for, while it is launched.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -168,7 +167,6 @@ class ModelRunner:
         # the CUDA stream that computes a speculative step's logprobs beside verification
         self.logprob_stream = cuda.Stream(non_blocking=True) if cuda and overlap_logprobs else None
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
-        self.device_wait = 0.0  # seconds `collect` has blocked on the device, summed; its reader resets it
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)
 
@@ -236,9 +234,7 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> list[SeqStepOutput]:
         """Wait for a launched step's results; each scheduled sequence's output, in order."""
-        started = time.perf_counter()
         inputs, host = step.inputs, step.transfer.result()
-        self.device_wait += time.perf_counter() - started
         outputs = [SeqStepOutput()] * inputs.batch.num_seqs
         if step.verified is not None:
             by_sampler = step.verified

@@ -8,7 +8,7 @@ concurrency, greedy. Each phase of the loop (planning and proposing drafts, sche
 inputs, running or launching a step, collecting one, processing outputs, the drafter's bookkeeping)
 is wrapped with a timer; the report gives each phase's calls, host time per call and per engine
 step, next to the output tokens per second and the mean acceptance length. Phases on the step
-thread (run, launch_after, collect) include their waits for the device: `device_wait` is that part.
+thread (run, launch_after, collect) include their waits for the device.
 """
 
 from __future__ import annotations
@@ -126,7 +126,6 @@ async def main(args: argparse.Namespace) -> None:
         await serve(engine, prompts[: args.concurrency], args.concurrency, args.endpoint, extra)  # warm-up
         timer.reset()
         trace.clear()
-        engine.runner.device_wait = 0.0
         started = time.perf_counter()
         totals = await serve(engine, prompts, args.concurrency, args.endpoint, extra)
         seconds = time.perf_counter() - started

@@ -95,10 +95,9 @@ class ScriptedDevice:
     def collect(self, step: _Launched) -> list[SeqStepOutput]:
         """Sleep until the modeled device is done (no spinning: it would hold the GIL that the engine's
         host work needs, where a real wait on a CUDA event releases it)."""
-        started = time.perf_counter()
-        if step.done_at > started:
-            time.sleep(step.done_at - started)
-        self.runner.device_wait += time.perf_counter() - started
+        wait = step.done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
         return step.outputs
 
 

@@ -3,10 +3,10 @@ After each step: shadow probes keep the acceptance estimates of sequences that d
 the proposer catches up on deferred bookkeeping.
 
 While nobody drafts, this bookkeeping is overhead: evaluating the rule again, shadow probing and
-the proposer's catching up share a budget of half the host's idle time (host work done while it
-would wait for the device is free) plus OVERHEAD_SHARE of the engine's step time, so that a
-speculating engine under a load where speculation does not pay, which keeps the host busy, runs
-within a few percent of one that does not speculate.
+the proposer's catching up share a budget of OVERHEAD_SHARE of the engine's step time, so that a
+speculating engine under a load where speculation does not pay runs within a few percent of one
+that does not speculate. (The time the step thread waits for the device is no measure of spare
+host time: a server's event loop writes responses meanwhile.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from cupyspec.spec.step_cost import StepCostModel, StepShape
 from cupyspec.speculative_config import SpeculativeConfig
 
 OVERHEAD_SHARE = 0.03  # of each step's wall time, for the overhead budget (module docstring)
-IDLE_SHARE = 0.5  # of the host's wait for the device, likewise (all of it would leave no slack for jitter)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
 EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kind, one of the other
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
@@ -70,15 +69,14 @@ class Drafter:
             return SpecStats()
         return SpecStats.expecting(self._accepted / self._tested, self._hits / self._proposals)
 
-    def observe_step(self, shape: StepShape, seconds: float, idle: float = 0.0) -> None:
-        """One engine step's wall time and shape (step_cost.py); `idle`: seconds of it the host
-        spent waiting for the device."""
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """One engine step's wall time and shape (step_cost.py)."""
         self.step_cost.observe(shape, seconds)
         self.num_steps += 1
         self._drafting_streak = self._drafting_streak + 1 if shape.drafting else 0
         self._plain_streak = 0 if shape.drafting else self._plain_streak + 1
         self._plain_seconds = 0.0 if shape.drafting else self._plain_seconds + seconds
-        self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds + IDLE_SHARE * idle)
+        self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
         """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). After a plan
@@ -96,7 +94,7 @@ class Drafter:
         if self.config.cost_aware_backoff:
             if self._drafting_streak >= EXPLORE_STEPS:
                 return {}
-            if self._plain_streak >= EXPLORE_STEPS and self._exploring_pays():
+            if self._plain_streak >= EXPLORE_STEPS and self._exploring_pays(min(EXPLORE_SEQS, len(running))):
                 self._plain_streak, self._plain_seconds = 0, 0.0
                 return self._explore(running)
             if self._quiet and self._budget <= 0:
@@ -111,11 +109,11 @@ class Drafter:
             self._budget -= time.perf_counter() - started
         return limits
 
-    def _exploring_pays(self) -> bool:
-        """An exploring step's added time is within 1 / EXPLORE_STEPS of the draft-free time before it."""
+    def _exploring_pays(self, drafting: int) -> bool:
+        """What an exploring step of `drafting` sequences adds is within 1 / EXPLORE_STEPS of the
+        draft-free time before it."""
         cost = self.step_cost.fit()
-        added = 0.0 if cost is None else cost.drafting_seconds(EXPLORE_SEQS * self.config.num_speculative_tokens,
-                                                               EXPLORE_SEQS)
+        added = 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
         return added * EXPLORE_STEPS <= self._plain_seconds
 
     def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig | None = None) -> dict[int, int]:
