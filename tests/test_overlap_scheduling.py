@@ -139,6 +139,32 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
     assert free_used == probe_used == 0
 
 
+def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
+    """Drafting steps after draft-free ones wait for the step in flight (the drain is reported apart);
+    the draft-free step after a drafting one has no step in flight (refilled); draft rows are the
+    drafts the runner verified."""
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+
+    async def main():
+        engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
+        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafting is free: drafts whenever found
+        shapes, observe = [], engine.drafter.observe_step
+        engine.drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
+        await run_workload(engine, [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                                    for p in prompts(6, 3)])
+        verified = engine.verified_drafts
+        await engine.shutdown()
+        return shapes, verified
+
+    shapes, verified = asyncio.run(main())
+    assert sum(s.draft_rows for s in shapes) == verified > 0
+    assert all(s.drafting for s in shapes if s.drain_seconds > 0)
+    assert all(not s.draft_rows for s in shapes if s.refilled)
+    after_drafts = [b for a, b in zip(shapes, shapes[1:]) if a.draft_rows and not b.draft_rows]
+    assert after_drafts and all(s.refilled for s in after_drafts)
+    assert any(s.drain_seconds > 0 for s in shapes)
+
+
 def test_a_penalized_request_takes_its_steps_one_at_a_time(tiny_gguf):
     """Penalties read every output token on the host: while one runs, steps do not overlap, and
     the outputs stay those of the engine without overlap."""
