@@ -31,7 +31,7 @@ PLAIN_DECAY = 0.9  # weight kept by past draft-free steps at each new one (about
 DRAFTING_DECAY = 0.97  # likewise for drafting steps (about 30 of them)
 MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
 MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
-REFIT_STEPS = 4  # the fit is brought up to date when asked, at most every this many steps
+REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
 
@@ -98,12 +98,10 @@ class StepCostModel:
     def __init__(self) -> None:
         self._plain = _WeightedLeastSquares(2, PLAIN_DECAY)  # (1, rows) -> seconds
         self._drafting = _WeightedLeastSquares(3, DRAFTING_DECAY)  # (1, draft rows, drafting) -> added seconds
-        self.num_steps = 0
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
         garbage collection) is capped, so that one hiccup does not stop speculation for long."""
-        self.num_steps += 1
         plain = self._plain.terms(MIN_PLAIN_STEPS)
         if not shape.drafting:
             if not shape.refilled:
