@@ -27,7 +27,7 @@ def test_the_warm_up_verifies_drafts_then_leaves_no_trace(tiny_gguf, monkeypatch
     def recording_forget(engine: AsyncEngine) -> None:
         during["requests"] = engine.metrics.requests_arrived.value()
         during["drafts"] = engine.metrics.spec_drafts.value()
-        during["cost_steps"] = engine.drafter.step_cost.num_steps
+        during["cost_steps"] = engine.drafter.num_steps
         forget(engine)
 
     monkeypatch.setattr(AsyncEngine, "_forget_warm_up", recording_forget)
@@ -38,7 +38,7 @@ def test_the_warm_up_verifies_drafts_then_leaves_no_trace(tiny_gguf, monkeypatch
         config = EngineConfig(model=tiny_gguf, device="cpu", cache=CacheConfig(block_size=4), warm_up=warm,
                               speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
         engine = await AsyncEngine.create(config)
-        fresh = (engine.metrics.requests_arrived.value(), engine.drafter.step_cost.num_steps,
+        fresh = (engine.metrics.requests_arrived.value(), engine.drafter.num_steps,
                  engine.stats().num_used_kv_blocks, len(engine.outputs.requests))
         results = [await collect(engine, p, params) for p, params in requests]
         await engine.shutdown()
