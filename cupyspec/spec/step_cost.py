@@ -65,20 +65,21 @@ class StepCost:
 
 
 class _WeightedLeastSquares:
-    """y = x . terms over observations weighted by decay ** (observations since); terms clipped at 0."""
+    """y = x . terms over observations weighted by decay ** (observations since); terms clipped at 0.
+    Observations are kept as tuples and folded into the weighted sums only when the fit is solved,
+    so observing costs the step loop a list append."""
 
     def __init__(self, num_terms: int, decay: float) -> None:
         self.decay = decay
         self.gram = np.zeros((num_terms, num_terms))  # [T, T] weighted sum of x x^T
         self.moment = np.zeros(num_terms)  # [T] weighted sum of x * y
         self.count = 0
+        self._pending: list[tuple[float, ...]] = []  # observations (x, then y) not folded in yet
         self._terms: np.ndarray | None = None  # [T] the last solution
         self._solved_at = 0  # count when solved
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
-        v = np.array(x)
-        self.gram = self.decay * self.gram + np.outer(v, v)
-        self.moment = self.decay * self.moment + v * y
+        self._pending.append((*x, y))
         self.count += 1
 
     def terms(self, min_count: int) -> np.ndarray | None:
@@ -87,9 +88,19 @@ class _WeightedLeastSquares:
         if self.count < min_count:
             return None
         if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
+            self._fold()
             solution = np.linalg.lstsq(self.gram, self.moment, rcond=1e-9)[0]
             self._terms, self._solved_at = np.maximum(solution, 0.0), self.count
         return self._terms
+
+    def _fold(self) -> None:
+        """Add the pending observations to the weighted sums, each decayed by the observations after it."""
+        pending = np.array(self._pending)  # [K, T + 1]: x, y
+        self._pending.clear()
+        weights = self.decay ** np.arange(len(pending) - 1, -1, -1)  # [K]
+        x, y = pending[:, :-1], pending[:, -1]
+        self.gram = self.decay ** len(pending) * self.gram + (x * weights[:, None]).T @ x
+        self.moment = self.decay ** len(pending) * self.moment + x.T @ (weights * y)
 
 
 class StepCostModel:
