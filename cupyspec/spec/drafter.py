@@ -51,7 +51,7 @@ class Drafter:
         self._quiet = False  # the last plan drafted nothing
         self._asked: set[int] = set()  # seq_ids asked for drafts this step
         self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
-        self._drafting_streak = 0  # observed steps in a row that drafted
+        self._drafting_streak = 0  # drafting steps observed since the last draft-free step the cost fit took
         self._plain_streak = 0  # observed steps in a row that did not
         self._plain_seconds = 0.0  # their wall time
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
@@ -73,7 +73,10 @@ class Drafter:
         """One engine step's wall time and shape (step_cost.py)."""
         self.step_cost.observe(shape, seconds)
         self.num_steps += 1
-        self._drafting_streak = self._drafting_streak + 1 if shape.drafting else 0
+        if shape.drafting:
+            self._drafting_streak += 1
+        elif not shape.refilled:  # a refilled step does not show a draft-free step's price (step_cost.py)
+            self._drafting_streak = 0
         self._plain_streak = 0 if shape.drafting else self._plain_streak + 1
         self._plain_seconds = 0.0 if shape.drafting else self._plain_seconds + seconds
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
@@ -84,7 +87,8 @@ class Drafter:
         (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly.
 
         The cost fit learns only from the steps the rule lets happen, so the rule explores: after
-        EXPLORE_STEPS drafting steps in a row it takes a step without drafts, and after as many
+        EXPLORE_STEPS drafting steps in a row it takes steps without drafts until the fit has taken
+        one (under overlap scheduling the first is refilled, so two), and after as many
         steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
         acceptance (`_explore`), if what such a step adds is at most 1 / EXPLORE_STEPS of the
         time since the last drafting step (at a load where drafting steps are dear, exploring waits

@@ -74,6 +74,9 @@ def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, 
     (expected kept of its k drafts) - r * (cost of k drafts); r is then re-evaluated, and grows
     until no sequence changes its choice. With the step's own cost charged from the start, that
     finds the best drafting choice; it is kept if it beats a step without drafts.
+
+    At load one test settles it first: drafts beat the draft-free ratio r0 only if their expected
+    kept exceed r0 times their cost, so when no sequence has a k with gain > r0 * cost, none drafts.
     """
     width = int(limits.max())
     count = np.arange(1, width + 1)  # [K]
@@ -83,6 +86,8 @@ def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, 
     cost = per_drafting_seq + per_row * count  # [K]
     allowed = count[None, :] <= limits[:, None]  # [S, K]
     take = np.zeros(len(limits), dtype=int)
+    if not (allowed & (gain > base_tokens / max(base_seconds, 1e-9) * cost[None, :])).any():
+        return take
     drafting_seconds = base_seconds + per_drafting_step
     ratio = base_tokens / max(drafting_seconds, 1e-9)
     for _ in range(DINKELBACH_ITERATIONS):
