@@ -20,12 +20,19 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first; as many as asked
 
+    def __init__(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
+        # one per emitted token: fill the frozen fields directly, as CompletionDelta does
+        self.__dict__.update(token_id=token_id, logprob=logprob, top=top)
+
 
 @dataclass(frozen=True)
 class DraftLogprob(TokenLogprob):
     """A proposed draft token: the target model's logprob for it at its position, and the verdict."""
 
     accepted: bool
+
+    def __init__(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], accepted: bool) -> None:
+        self.__dict__.update(token_id=token_id, logprob=logprob, top=top, accepted=accepted)
 
 
 @dataclass(frozen=True)

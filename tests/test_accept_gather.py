@@ -7,7 +7,8 @@ import pytest
 
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.spec.accept_gather import LogprobLayout, RowLogprobs, accept_and_gather, fetch_gathered
+from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
+                                         fetch_gathered)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
 from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
 
@@ -32,19 +33,28 @@ def random_case(rng: np.random.Generator, batch: int, max_drafts: int, vocab: in
                 wants_tokens=wants_tokens, wants_drafts=wants_drafts)
 
 
-def gather(xp, case: dict, rows: RowLogprobs | None = None) -> list[np.ndarray]:  # noqa: ANN001
+def gather(xp, case: dict, rows: RowLogprobs | None = None) -> GatheredLogprobs:  # noqa: ANN001
+    """The gathered logprobs of a case, on the host."""
     logits = xp.asarray(case["logits"])
-    rows = rows or RowLogprobs.compute(xp, logits, case["layout"], case["k"])
-    num_accepted, emitted = xp.asarray(case["num_accepted"]), xp.asarray(case["emitted"])
-    out = accept_and_gather(xp, logits, rows, case["layout"], case["drafts"], case["num_drafts"], num_accepted, emitted)
-    return fetch_gathered(xp, out, num_accepted, emitted)
+    layout = case["layout"].upload(xp, case["drafts"], case["num_drafts"])
+    rows = rows or RowLogprobs.compute(xp, logits, layout.row_target, case["k"])
+    runs = xp.asarray(np.stack([case["num_accepted"], case["emitted"]]))  # [2, B]
+    return fetch_gathered(xp, accept_and_gather(xp, logits, rows, layout, runs), layout, case["k"])
+
+
+def fields(out: GatheredLogprobs) -> list[np.ndarray]:
+    """Every output array (the buffer's padding left out)."""
+    return [getattr(out, name) for name in GatheredLogprobs.__dataclass_fields__]
 
 
 @pytest.mark.parametrize("batch,max_drafts,k", [(1, 0, 0), (5, 3, 2), (17, 8, 20), (64, 5, 5)])
 def test_twin_matches_a_per_request_reference(batch: int, max_drafts: int, k: int) -> None:
     rng = np.random.default_rng(batch * 10 + k)
     case = random_case(rng, batch, max_drafts, vocab=300, k=k)
-    _, _, cu, token_ids, token_lps, token_top_ids, token_top_lps, draft_lps, draft_top_ids, _ = gather(np, case)
+    out = gather(np, case)
+    cu, token_ids, token_lps, draft_lps = out.cu_batch_token_offset, out.token_ids, out.token_lps, out.draft_lps
+    token_top_ids, token_top_lps, draft_top_ids = out.token_top_ids, out.token_top_lps, out.draft_top_ids
+    np.testing.assert_array_equal(out.runs, [case["num_accepted"], case["emitted"]])
     slot, draft_slot = 0, 0
     for b in range(batch):
         accepted, n = case["num_accepted"][b], case["num_drafts"][b]
@@ -64,6 +74,7 @@ def test_twin_matches_a_per_request_reference(batch: int, max_drafts: int, k: in
                 np.testing.assert_array_equal(draft_top_ids[draft_slot], np.argsort(-lps[j], kind="stable")[:k])
                 draft_slot += 1
     assert cu[batch] == slot and np.all(token_ids[slot:] == PLACEHOLDER_TOKEN_ID) and draft_slot == len(draft_lps)
+    assert not token_lps[slot:].any() and not token_top_ids[slot:].any() and not token_top_lps[slot:].any()
 
 
 def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted() -> None:
@@ -97,10 +108,10 @@ def test_kernel_matches_twin(batch: int, max_drafts: int, k: int) -> None:
     import cupy
 
     case = random_case(np.random.default_rng(batch + k), batch, max_drafts, vocab=49152, k=k)
-    host_rows = RowLogprobs.compute(np, case["logits"], case["layout"], k)
+    host_rows = RowLogprobs.compute(np, case["logits"], case["layout"].row_target, k)
     device_rows = RowLogprobs(*(cupy.asarray(a) for a in (host_rows.peak, host_rows.log_total, host_rows.top_ids,
                                                           host_rows.top_lps)))
-    for want, got in zip(gather(np, case, host_rows), gather(cupy, case, device_rows)):
+    for want, got in zip(fields(gather(np, case, host_rows)), fields(gather(cupy, case, device_rows))):
         np.testing.assert_array_equal(got, want)
 
 

@@ -4,21 +4,59 @@ The log-softmax of every candidate row (the normalizers and the top-k, `RowLogpr
 depend on which drafts are accepted, so it runs beside verification. Once the verdict is in, one
 kernel computes `cu_batch_token_offset`, each request's offset into the compact list of emitted
 tokens, and gathers the logprob and top-k of every emitted token and of every proposed draft.
-Only requests that asked for logprobs or draft logprobs have rows here (`LogprobLayout`).
+Only requests that asked for logprobs or draft logprobs have rows here (`LogprobLayout`). The
+host uploads the layout and the drafts in one copy and brings every result, the verdict included,
+back in one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprobs import top_logprobs_on_device
+from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import fetch_arrays
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
+
+
+class LayoutArrays(NamedTuple):
+    """A `LogprobLayout` with the drafts, as arrays of one library (views of `UploadedLayout.packed`)."""
+
+    row_target: Any  # [L]
+    row_seq: Any  # [L]
+    row_pos: Any  # [L]
+    wants_tokens: Any  # [B]
+    draft_offset: Any  # [B+1]
+    drafts: Any  # [B, K]
+    num_drafts: Any  # [B]
+
+
+@dataclass(frozen=True)
+class UploadedLayout:
+    """A `LogprobLayout` and the drafts on the device: LayoutArrays' fields, flat and in order, in
+    one int64 array, which the kernel takes whole (each view CuPy makes costs the host microseconds)."""
+
+    packed: Any  # [3L + 2B + 1 + B*K + B] int64
+    num_seqs: int  # B
+    num_rows: int  # L
+    max_drafts: int  # K
+    num_draft_slots: int  # D
+
+    @property
+    def row_target(self) -> Any:  # [L]: it comes first
+        return self.packed[:self.num_rows]
+
+    def arrays(self) -> LayoutArrays:
+        sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
+        bounds = np.cumsum([0] + sizes).tolist()
+        views = [self.packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        views[5] = views[5].reshape(self.num_seqs, self.max_drafts)
+        return LayoutArrays(*views)
 
 
 @dataclass(frozen=True)
@@ -26,9 +64,9 @@ class LogprobLayout:
     """Which target rows get logprobs, and where their results go (host arrays)."""
 
     row_target: np.ndarray  # [L] int64: row of the [R, V] target logits
-    row_seq: np.ndarray  # [L] int32: request b of the row
-    row_pos: np.ndarray  # [L] int32: the row's position j among b's rows (row j scores draft j)
-    wants_tokens: np.ndarray  # [B] int32: 1 when b asked for logprobs of its emitted tokens
+    row_seq: np.ndarray  # [L] int64: request b of the row
+    row_pos: np.ndarray  # [L] int64: the row's position j among b's rows (row j scores draft j)
+    wants_tokens: np.ndarray  # [B] int64: 1 when b asked for logprobs of its emitted tokens
     draft_offset: np.ndarray  # [B+1] int64: b's drafts take slots draft_offset[b]:draft_offset[b+1]
 
     @classmethod
@@ -37,11 +75,11 @@ class LogprobLayout:
         """first_row [B+1] bounds of each request's target rows; num_drafts [B]; the wants [B] bool."""
         with_rows = np.flatnonzero(wants_tokens | wants_drafts)  # [B'] requests that get rows
         sizes = num_drafts[with_rows] + 1  # [B']
-        row_seq = np.repeat(with_rows, sizes).astype(np.int32)  # [L]
-        row_pos = (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)
+        row_seq = np.repeat(with_rows, sizes).astype(np.int64)  # [L]
+        row_pos = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L]
         drafts_kept = np.where(wants_drafts, num_drafts, 0)  # [B]
-        return cls(row_target=first_row[row_seq] + row_pos, row_seq=row_seq, row_pos=row_pos,
-                   wants_tokens=wants_tokens.astype(np.int32),
+        return cls(row_target=(first_row[row_seq] + row_pos).astype(np.int64), row_seq=row_seq,
+                   row_pos=row_pos.astype(np.int64), wants_tokens=wants_tokens.astype(np.int64),
                    draft_offset=np.concatenate([[0], np.cumsum(drafts_kept)]).astype(np.int64))
 
     @property
@@ -51,6 +89,12 @@ class LogprobLayout:
     @property
     def num_draft_slots(self) -> int:
         return int(self.draft_offset[-1])
+
+    def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
+        """The layout, drafts [B, K] and num_drafts [B] on the device, in one copy."""
+        parts = (self.row_target, self.row_seq, self.row_pos, self.wants_tokens, self.draft_offset, drafts, num_drafts)
+        packed = xp.asarray(np.concatenate([np.ravel(a) for a in parts]).astype(np.int64, copy=False))
+        return UploadedLayout(packed, len(num_drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
 
 
 @dataclass(frozen=True)
@@ -63,42 +107,66 @@ class RowLogprobs:
     top_lps: Any  # [L, k] f32
 
     @classmethod
-    def compute(cls, xp: Any, logits: Any, layout: LogprobLayout, k: int) -> RowLogprobs:
-        """logits [R, V] f32: the target rows."""
-        return cls(*top_logprobs_on_device(xp, logits, k, layout.row_target))
+    def compute(cls, xp: Any, logits: Any, row_target: Any, k: int) -> RowLogprobs:
+        """logits [R, V] f32: the target rows; row_target [L] int64 (UploadedLayout.row_target)."""
+        return cls(*top_logprobs_on_device(xp, logits, k, row_target))
 
 
 @dataclass(frozen=True)
 class GatheredLogprobs:
-    """The kernel's outputs, on the device until `fetch`."""
+    """The gather's outputs, views of one int64 buffer: the int64 arrays first, then the float32
+    ones two to an element. Token slots past cu_batch_token_offset[B] hold PLACEHOLDER_TOKEN_ID and zeros."""
 
+    runs: Any  # [2, B] int64: verification's num_accepted, then emitted tokens (copied)
     cu_batch_token_offset: Any  # [B+1] int64
     token_ids: Any  # [L] int64: emitted tokens of the requests that asked, request by request
-    token_lps: Any  # [L] f32
     token_top_ids: Any  # [L, k] int64
+    draft_top_ids: Any  # [D, k] int64
+    token_lps: Any  # [L] f32
     token_top_lps: Any  # [L, k] f32
     draft_lps: Any  # [D] f32: proposed drafts of the requests that asked, request by request
-    draft_top_ids: Any  # [D, k] int64
     draft_top_lps: Any  # [D, k] f32
 
+    @staticmethod
+    def buffer_size(num_seqs: int, rows: int, slots: int, k: int) -> int:
+        """int64 elements of the buffer."""
+        ints, floats = _shapes(num_seqs, rows, slots, k)
+        return sum(int(np.prod(s)) for s in ints) + (sum(int(np.prod(s)) for s in floats) + 1) // 2
 
-def _empty_outputs(xp: Any, layout: LogprobLayout, num_seqs: int, k: int) -> GatheredLogprobs:
-    rows, slots = layout.num_rows, layout.num_draft_slots
-    return GatheredLogprobs(
-        xp.zeros(num_seqs + 1, xp.int64), xp.full(rows, -1, xp.int64), xp.zeros(rows, xp.float32),
-        xp.zeros((rows, k), xp.int64), xp.zeros((rows, k), xp.float32),
-        xp.zeros(slots, xp.float32), xp.zeros((slots, k), xp.int64), xp.zeros((slots, k), xp.float32))
+    @classmethod
+    def within(cls, buffer: Any, num_seqs: int, rows: int, slots: int, k: int) -> GatheredLogprobs:
+        ints, floats = _shapes(num_seqs, rows, slots, k)
+        views = []
+        for shapes, flat in ((ints, buffer), (floats, buffer[sum(int(np.prod(s)) for s in ints):].view(np.float32))):
+            at = 0
+            for shape in shapes:
+                size = int(np.prod(shape))
+                views.append(flat[at:at + size].reshape(shape))
+                at += size
+        return cls(*views)
 
 
-def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LogprobLayout, drafts: np.ndarray,
-                  num_drafts: np.ndarray, num_accepted: np.ndarray, emitted: np.ndarray,
+def _shapes(num_seqs: int, rows: int, slots: int, k: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Shapes of GatheredLogprobs' int64 arrays, then of its float32 ones, in field order."""
+    return ([(2, num_seqs), (num_seqs + 1,), (rows,), (rows, k), (slots, k)],
+            [(rows,), (rows, k), (slots,), (slots, k)])
+
+
+def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LayoutArrays, runs: np.ndarray,
                   out: GatheredLogprobs) -> None:
     """The twin of accept_gather_logprobs, writing into `out`."""
+    num_accepted, emitted = runs
+    out.runs[:] = runs
     emitting = layout.wants_tokens.astype(bool) * (num_accepted + 1)  # [B]
+    out.cu_batch_token_offset[0] = 0
     out.cu_batch_token_offset[1:] = np.cumsum(emitting)
+    total = int(out.cu_batch_token_offset[-1])
+    out.token_ids[total:] = PLACEHOLDER_TOKEN_ID
+    for unused in (out.token_top_ids, out.token_lps, out.token_top_lps):
+        unused[total:] = 0
     seq, pos = layout.row_seq, layout.row_pos  # [L]
     accepted = num_accepted[seq]  # [L]
-    padded = np.concatenate([drafts, np.zeros((len(drafts), 1), np.int64)], axis=1)  # [B, K+1]
+    padded = np.concatenate([layout.drafts, np.zeros((len(layout.drafts), 1), np.int64)], axis=1)  # [B, K+1]
     row_draft = padded[seq, pos]  # [L] the draft the row scores (0 on the last row)
 
     def logprob(r: np.ndarray, token: np.ndarray) -> np.ndarray:
@@ -111,48 +179,32 @@ def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LogprobLayout, 
     out.token_lps[slot] = logprob(r, out.token_ids[slot])
     out.token_top_ids[slot], out.token_top_lps[slot] = rows.top_ids[r], rows.top_lps[r]
     has_slots = layout.draft_offset[1:] > layout.draft_offset[:-1]  # [B]
-    r = np.flatnonzero(has_slots[seq] & (pos < num_drafts[seq]))  # rows that score a reported draft
+    r = np.flatnonzero(has_slots[seq] & (pos < layout.num_drafts[seq]))  # rows that score a reported draft
     slot = layout.draft_offset[seq[r]] + pos[r]
     out.draft_lps[slot] = logprob(r, row_draft[r])
     out.draft_top_ids[slot], out.draft_top_lps[slot] = rows.top_ids[r], rows.top_lps[r]
 
 
-def _gather_cuda(logits: Any, rows: RowLogprobs, layout: LogprobLayout, drafts: Any, num_drafts: Any,
-                 num_accepted: Any, emitted: Any, out: GatheredLogprobs) -> None:
-    import cupy as cp
-
-    kernel = load_kernel("accept_gather", "accept_gather_logprobs")
+def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayout, runs: Any) -> Any:
+    """The buffer of GatheredLogprobs: offsets and logprobs of emitted tokens and drafts, from logits
+    [R, V] f32 and runs [2, B] int64 (verification's verdict: num_accepted, then the emitted token),
+    all on the device. `fetch_gathered` brings it to the host."""
     k = rows.top_ids.shape[1]
-    kernel((1,), (THREADS,), (
-        cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
-        cp.asarray(layout.row_target), cp.asarray(layout.row_seq), cp.asarray(layout.row_pos),
-        cp.ascontiguousarray(rows.peak), cp.ascontiguousarray(rows.log_total),
-        cp.ascontiguousarray(rows.top_ids), cp.ascontiguousarray(rows.top_lps), np.int32(k),
-        drafts, np.int32(drafts.shape[1]), num_drafts, num_accepted, emitted,
-        cp.asarray(layout.wants_tokens), cp.asarray(layout.draft_offset),
-        np.int32(len(num_drafts)), np.int32(layout.num_rows),
-        out.cu_batch_token_offset, out.token_ids, out.token_lps, out.token_top_ids, out.token_top_lps,
-        out.draft_lps, out.draft_top_ids, out.draft_top_lps))
-
-
-def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: LogprobLayout, drafts: np.ndarray,
-                      num_drafts: np.ndarray, num_accepted: Any, emitted: Any) -> GatheredLogprobs:
-    """Offsets and logprobs of emitted tokens and drafts; logits [R, V] f32, drafts [B, K] and
-    num_drafts [B] int64 (host), num_accepted and emitted [B] int64 (device, verification's verdict)."""
-    num_seqs, k = len(num_drafts), rows.top_ids.shape[1]
-    out = _empty_outputs(xp, layout, num_seqs, k)
-    if num_seqs == 0:
-        return out
+    size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
+    buffer = xp.empty(size, dtype=xp.int64)  # the gather writes every element
     if xp is np:
-        _gather_numpy(logits, rows, layout, drafts, num_drafts, num_accepted, emitted, out)
-    else:
-        _gather_cuda(logits, rows, layout, xp.asarray(drafts, dtype=xp.int64), xp.asarray(num_drafts, dtype=xp.int64),
-                     num_accepted.astype(xp.int64, copy=False), emitted.astype(xp.int64, copy=False), out)
-    return out
+        out = GatheredLogprobs.within(buffer, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
+        _gather_numpy(logits, rows, layout.arrays(), runs, out)
+    elif layout.num_seqs:
+        load_kernel("accept_gather", "accept_gather_logprobs")((1,), (THREADS,), (
+            xp.ascontiguousarray(logits, dtype=xp.float32), np.int64(logits.shape[1]), layout.packed,
+            np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts),
+            np.int32(layout.num_draft_slots), rows.peak, rows.log_total, rows.top_ids, rows.top_lps, np.int32(k),
+            xp.ascontiguousarray(runs, dtype=xp.int64), buffer))
+    return buffer
 
 
-def fetch_gathered(xp: Any, out: GatheredLogprobs, num_accepted: Any, emitted: Any) -> list[np.ndarray]:
-    """[num_accepted, emitted, then the fields of `out` in order] on the host, in one transfer."""
-    return fetch_arrays(xp, [num_accepted, emitted, out.cu_batch_token_offset, out.token_ids, out.token_lps,
-                             out.token_top_ids, out.token_top_lps, out.draft_lps, out.draft_top_ids,
-                             out.draft_top_lps])
+def fetch_gathered(xp: Any, buffer: Any, layout: UploadedLayout, k: int) -> GatheredLogprobs:
+    """accept_and_gather's buffer on the host, in one transfer, as GatheredLogprobs."""
+    return GatheredLogprobs.within(fetch_arrays(xp, [buffer])[0], layout.num_seqs, layout.num_rows,
+                                   layout.num_draft_slots, k)

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.spec.accept_gather import LogprobLayout, RowLogprobs, accept_and_gather, fetch_gathered
+from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
+                                         fetch_gathered)
 from cupyspec.spec.verify import VerifyInput, VerifyOutput, verify_on_device
 
 
@@ -38,10 +39,6 @@ class StepVerdict:
     draft_logprobs: tuple[tuple[DraftLogprob, ...] | None, ...]  # [B]
 
 
-def _pairs(ids: np.ndarray, lps: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
-    return tuple(zip(ids[:k].astype(np.int64).tolist(), lps[:k].astype(np.float32).tolist()))
-
-
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
                          accept_policy: str, side_stream: Any | None = None) -> StepVerdict:
     """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for.
@@ -56,35 +53,57 @@ def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: Logprob
     wants_drafts = np.array(wanted.include_drafts)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)]).astype(np.int64)  # [B+1]
     layout = LogprobLayout.build(first_row, inp.num_drafts, wants_tokens, wants_drafts)
+    on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
     k = max((k or 0) for k in wanted.top_logprobs)
     if side_stream is None:
-        rows = RowLogprobs.compute(xp, logits, layout, k)
+        rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
         device_verdict = verify_on_device(xp, logits, inp, strategy, accept_policy)
     else:
         main_stream = xp.cuda.get_current_stream()
-        side_stream.wait_event(main_stream.record())  # the logits are ready
+        side_stream.wait_event(main_stream.record())  # the logits and the upload are ready
         with side_stream:
-            rows = RowLogprobs.compute(xp, logits, layout, k)
+            rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
             rows_ready = side_stream.record()
         device_verdict = verify_on_device(xp, logits, inp, strategy, accept_policy)
         main_stream.wait_event(rows_ready)
-    gathered = accept_and_gather(xp, logits, rows, layout, inp.draft_token_ids, inp.num_drafts,
-                                 device_verdict.num_accepted, device_verdict.emitted)
-    (num_accepted, emitted, cu, token_ids, token_lps, token_top_ids, token_top_lps,
-     draft_lps, draft_top_ids, draft_top_lps) = fetch_gathered(xp, gathered, device_verdict.num_accepted,
-                                                               device_verdict.emitted)
-    verdict = VerifyOutput.of(inp, num_accepted.astype(np.int64), emitted.astype(np.int64))
-    token_logprobs: list[tuple[TokenLogprob, ...] | None] = []
-    draft_logprobs: list[tuple[DraftLogprob, ...] | None] = []
-    for b in range(batch):
-        top_k = wanted.top_logprobs[b] or 0
-        lo, hi = int(cu[b]), int(cu[b + 1])
-        token_logprobs.append(tuple(
-            TokenLogprob(int(token_ids[i]), float(np.float32(token_lps[i])), _pairs(token_top_ids[i], token_top_lps[i], top_k))
-            for i in range(lo, hi)) if wants_tokens[b] else None)
-        lo = int(layout.draft_offset[b])
-        draft_logprobs.append(tuple(
-            DraftLogprob(int(inp.draft_token_ids[b, j]), float(np.float32(draft_lps[lo + j])),
-                         _pairs(draft_top_ids[lo + j], draft_top_lps[lo + j], top_k), bool(j < num_accepted[b]))
-            for j in range(int(inp.num_drafts[b]))) if wants_drafts[b] else None)
-    return StepVerdict(verdict, tuple(token_logprobs), tuple(draft_logprobs))
+    host = fetch_gathered(xp, accept_and_gather(xp, logits, rows, on_device, device_verdict.runs), on_device, k)
+    num_accepted, emitted = host.runs
+    return StepVerdict(VerifyOutput.of(inp, num_accepted, emitted),
+                       _token_logprobs(host, wants_tokens, wanted.top_logprobs),
+                       _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
+
+
+def _top(ids: list[list[int]], lps: list[list[float]], k: int) -> list[tuple[tuple[int, float], ...]]:
+    """Per row, its first k (token id, logprob) pairs."""
+    return [tuple(zip(i[:k], p[:k])) for i, p in zip(ids, lps)]
+
+
+def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
+                    top_k: tuple[int | None, ...]) -> tuple[tuple[TokenLogprob, ...] | None, ...]:
+    """Per request [B], its emitted tokens' logprobs (None where not asked)."""
+    cu = host.cu_batch_token_offset.tolist()
+    ids, lps = host.token_ids.tolist(), host.token_lps.tolist()
+    top_ids, top_lps = host.token_top_ids.tolist(), host.token_top_lps.tolist()
+    out: list[tuple[TokenLogprob, ...] | None] = []
+    for b, want in enumerate(wants.tolist()):
+        lo, hi = cu[b], cu[b + 1]
+        out.append(tuple(map(TokenLogprob, ids[lo:hi], lps[lo:hi], _top(top_ids[lo:hi], top_lps[lo:hi], top_k[b] or 0)))
+                   if want else None)
+    return tuple(out)
+
+
+def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: np.ndarray,
+                    top_k: tuple[int | None, ...]) -> tuple[tuple[DraftLogprob, ...] | None, ...]:
+    """Per request [B], its proposed drafts' logprobs and verdicts (None where not asked)."""
+    offsets, num_drafts, num_accepted = layout.draft_offset.tolist(), inp.num_drafts.tolist(), host.runs[0].tolist()
+    lps, top_ids, top_lps = host.draft_lps.tolist(), host.draft_top_ids.tolist(), host.draft_top_lps.tolist()
+    out: list[tuple[DraftLogprob, ...] | None] = []
+    for b, want in enumerate(wants.tolist()):
+        if not want:
+            out.append(None)
+            continue
+        lo, n = offsets[b], num_drafts[b]
+        out.append(tuple(map(DraftLogprob, inp.draft_token_ids[b, :n].tolist(), lps[lo:lo + n],
+                             _top(top_ids[lo:lo + n], top_lps[lo:lo + n], top_k[b] or 0),
+                             [j < num_accepted[b] for j in range(n)])))
+    return tuple(out)
