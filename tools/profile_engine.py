@@ -7,7 +7,8 @@ Prompts go through AsyncEngine.chat (or generate, with --endpoint completions) a
 concurrency, greedy. Each phase of the loop (planning and proposing drafts, scheduling, preparing
 inputs, running or launching a step, collecting one, processing outputs, the drafter's bookkeeping)
 is wrapped with a timer; the report gives each phase's calls, host time per call and per engine
-step, next to the output tokens per second and the mean acceptance length. Phases on the step
+step, next to the output tokens per second and the mean acceptance length. With speculation it
+also sets the steps the back-off rule's cost model observed against the model's final fit. Phases on the step
 thread (run, launch_after, collect) include their waits for the device.
 """
 
@@ -19,15 +20,18 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from bench_datasets import DATASETS, DEFAULT_CACHE, DatasetSpec, load_prompts
 
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.gc_policy import settle_garbage_collector
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec.step_cost import StepCost, StepShape
 from cupyspec.speculative_config import SpeculativeConfig
 
 PHASES = {  # attribute path on the engine -> method names to time
@@ -114,23 +118,30 @@ async def main(args: argparse.Namespace) -> None:
         return inputs
 
     engine.runner.prepare = traced_prepare
+    shapes: list[tuple[StepShape, float]] = []  # what the drafter's cost model saw
     if engine.drafter is not None:
-        plan = engine.drafter.plan
+        plan, observe = engine.drafter.plan, engine.drafter.observe_step
 
         def traced_plan(*args: Any) -> dict[int, int]:
             last_plan[0] = plan(*args)
             return last_plan[0]
 
-        engine.drafter.plan = traced_plan
+        def traced_observe(shape: StepShape, seconds: float) -> None:
+            shapes.append((shape, seconds))
+            observe(shape, seconds)
+
+        engine.drafter.plan, engine.drafter.observe_step = traced_plan, traced_observe
     try:
         await serve(engine, prompts[: args.concurrency], args.concurrency, args.endpoint, extra)  # warm-up
         timer.reset()
         trace.clear()
+        shapes.clear()
         started = time.perf_counter()
         totals = await serve(engine, prompts, args.concurrency, args.endpoint, extra)
         seconds = time.perf_counter() - started
     finally:
         await engine.shutdown()
+    fit = engine.drafter.step_cost.fit() if engine.drafter is not None else None
     steps = max(timer.calls["schedule"], 1)
     report = {"output_tok_per_s": totals["tokens"] / seconds, "seconds": seconds, "engine_steps": steps,
               "us_per_step": 1e6 * seconds / steps,
@@ -140,7 +151,35 @@ async def main(args: argparse.Namespace) -> None:
                                 "us_per_step": 1e6 * timer.seconds[name] / steps}
                          for name in sorted(timer.calls, key=lambda n: -timer.seconds[n])}}
     report["by_running"] = by_running(trace)
+    if shapes:
+        report["step_costs"] = step_costs(shapes, fit)
     print(json.dumps(report, indent=1))
+
+
+def step_costs(shapes: list[tuple[StepShape, float]], fit: StepCost | None) -> dict:
+    """The steps the drafter's cost model observed, draft-free and drafting, against its final fit:
+    mean wall ms and shape, and for drafting steps the time they added over a draft-free step of
+    their other rows, as observed (drain left out) and as the fit predicts."""
+    report: dict[str, Any] = {"fit_us": None if fit is None else {k: round(1e6 * v, 2) for k, v in asdict(fit).items()}}
+    for kind, chosen in (("plain", [(s, t) for s, t in shapes if not s.drafting]),
+                         ("drafting", [(s, t) for s, t in shapes if s.drafting])):
+        if not chosen:
+            continue
+        mean = lambda values: round(float(np.mean(values)), 3)  # noqa: E731
+        group = {"steps": len(chosen), "mean_ms": mean([1e3 * t for _, t in chosen]),
+                 "mean_rows": mean([s.rows for s, _ in chosen])}
+        if kind == "drafting":
+            group |= {"mean_drafting": mean([s.drafting for s, _ in chosen]),
+                      "mean_draft_rows": mean([s.draft_rows for s, _ in chosen])}
+            if fit is not None:
+                group |= {"added_ms": mean([1e3 * (t - s.drain_seconds - fit.seconds(s.rows - s.draft_rows))
+                                            for s, t in chosen]),
+                          "fit_added_ms": mean([1e3 * fit.drafting_seconds(s.draft_rows, s.drafting)
+                                                for s, _ in chosen])}
+        elif fit is not None:
+            group["fit_ms"] = mean([1e3 * fit.seconds(s.rows) for s, _ in chosen])
+        report[kind] = group
+    return report
 
 
 def by_running(trace: list[tuple[float, int, float, bool, bool]]) -> dict[str, dict]:

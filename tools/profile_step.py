@@ -6,6 +6,7 @@ Builds synthetic decode (query length 1) and verify (query length k + 1) steps o
 model and KV cache, and times the forward pass with the logits of every row, eager and replayed as
 a CUDA graph, then greedy sampling, each with CUDA events (device time) and the host clock (the
 time Python needs to launch it). A phase whose host time exceeds its device time is launch-bound.
+Verify steps also time verification, with and without logprobs, to the host (wall time).
 With --kernels, each step of one decoder layer is timed on its own from a CUDA graph.
 """
 
@@ -28,6 +29,8 @@ from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, r
 from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
+from cupyspec.spec.verify import VerifyInput
+from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
 
 
 def timed(xp: Any, fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
@@ -100,6 +103,20 @@ def layer_kernels(engine: AsyncEngine, flat: FlatBatch, repeats: int) -> dict[st
     return {f"{name}_us": graphed_us(xp, fn, repeats) for name, fn in steps.items()}
 
 
+def verify_ms(engine: AsyncEngine, logits: Any, batch: int, num_drafts: int, repeats: int) -> dict[str, float]:
+    """Wall ms of verifying `num_drafts` greedy drafts per sequence from logits [R, V], results on the
+    host: without logprobs, then with top-5 token and draft logprobs (on the runner's logprob stream)."""
+    xp, runner = engine.backend.xp, engine.runner
+    drafts = np.random.default_rng(1).integers(0, 1000, (batch, num_drafts))  # [B, K]
+    inp = VerifyInput(drafts, np.full(batch, num_drafts), None,
+                      (SamplingRow(SamplingParams(temperature=0.0), 0.0),) * len(logits), np.zeros(len(logits)))
+    wants = {"verify": LogprobRequests((None,) * batch, (False,) * batch),
+             "verify_logprobs": LogprobRequests((5,) * batch, (True,) * batch)}
+    return {f"{name}_ms": timed(xp, lambda w=w: verify_with_logprobs(xp, logits, inp, w, "rejection", "normal",
+                                                                      runner.logprob_stream), repeats)[0]
+            for name, w in wants.items()}
+
+
 def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repeats: int, kernels: bool) -> dict:
     runner = engine.runner
     xp, model, kv = engine.backend.xp, runner.model, runner.kv
@@ -121,6 +138,8 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
             result |= {"graph_host_ms": graph_host, "graph_device_ms": graph_dev}
             step_ms = max(graph_host, graph_dev)
         sample_host, sample_dev, _ = timed(xp, lambda: sample(xp, logits, params), repeats)
+        if query_len > 1:
+            result |= verify_ms(engine, logits, batch, query_len - 1, repeats)
         if kernels and flat.num_tokens <= KERNEL_MAX_ROWS:  # larger steps take cuBLAS, which graphs refuse
             result |= layer_kernels(engine, flat, repeats)
     result |= {"sample_host_ms": sample_host, "sample_device_ms": sample_dev,
