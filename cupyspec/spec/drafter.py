@@ -24,7 +24,7 @@ from cupyspec.spec.stats import SpecStats
 from cupyspec.spec.step_cost import StepCostModel, StepShape
 from cupyspec.speculative_config import SpeculativeConfig
 
-OVERHEAD_SHARE = 0.03  # of each step's wall time, for the overhead budget (module docstring)
+OVERHEAD_SHARE = 0.02  # of each step's wall time, for the overhead budget (module docstring)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
 EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kind, one of the other
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
@@ -54,6 +54,7 @@ class Drafter:
         self._drafting_streak = 0  # drafting steps observed since the last draft-free step the cost fit took
         self._plain_streak = 0  # observed steps in a row that did not
         self._plain_seconds = 0.0  # their wall time
+        self._explore_after: float | None = None  # plain seconds after which exploring pays (see `plan`)
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
         # a new sequence's prior: the verified drafts and the proposals of recently finished sequences,
         # summed with decay (each sequence weighs as much as its evidence), with one accepted test and
@@ -79,6 +80,8 @@ class Drafter:
             self._drafting_streak = 0
         self._plain_streak = 0 if shape.drafting else self._plain_streak + 1
         self._plain_seconds = 0.0 if shape.drafting else self._plain_seconds + seconds
+        if shape.drafting:
+            self._explore_after = None
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
@@ -98,9 +101,12 @@ class Drafter:
         if self.config.cost_aware_backoff:
             if self._drafting_streak >= EXPLORE_STEPS:
                 return {}
-            if self._plain_streak >= EXPLORE_STEPS and self._exploring_pays(min(EXPLORE_SEQS, len(running))):
-                self._plain_streak, self._plain_seconds = 0, 0.0
-                return self._explore(running)
+            if self._plain_streak >= EXPLORE_STEPS:
+                if self._explore_after is None:  # priced once per run of draft-free steps: it reads the fit
+                    self._explore_after = self._exploring_seconds(min(EXPLORE_SEQS, len(running))) * EXPLORE_STEPS
+                if self._plain_seconds >= self._explore_after:
+                    self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
+                    return self._explore(running)
             if self._quiet and self._budget <= 0:
                 return {}
         started = time.perf_counter()
@@ -113,12 +119,10 @@ class Drafter:
             self._budget -= time.perf_counter() - started
         return limits
 
-    def _exploring_pays(self, drafting: int) -> bool:
-        """What an exploring step of `drafting` sequences adds is within 1 / EXPLORE_STEPS of the
-        draft-free time before it."""
+    def _exploring_seconds(self, drafting: int) -> float:
+        """What an exploring step of `drafting` sequences adds to a step (0 before the fit is ready)."""
         cost = self.step_cost.fit()
-        added = 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
-        return added * EXPLORE_STEPS <= self._plain_seconds
+        return 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
 
     def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig | None = None) -> dict[int, int]:
         """Drafts up to each sequence's limit under the fixed `rule` for the EXPLORE_SEQS sequences

@@ -82,6 +82,11 @@ class _WeightedLeastSquares:
         self._pending.append((*x, y))
         self.count += 1
 
+    @property
+    def last(self) -> np.ndarray | None:
+        """The solution as of the last `terms` call, without solving anew."""
+        return self._terms
+
     def terms(self, min_count: int) -> np.ndarray | None:
         """The solution, as of at most REFIT_STEPS - 1 observations ago; None before `min_count`.
         Minimum norm: a term that has not varied gets no share of the intercept."""
@@ -112,8 +117,10 @@ class StepCostModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
-        garbage collection) is capped, so that one hiccup does not stop speculation for long."""
-        plain = self._plain.terms(MIN_PLAIN_STEPS)
+        garbage collection) is capped, so that one hiccup does not stop speculation for long. A
+        draft-free step is capped by the fit as last solved (by `fit`, which the back-off rule calls
+        within its budget): solving it here would cost every step."""
+        plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
         if not shape.drafting:
             if not shape.refilled:
                 if plain is not None:
