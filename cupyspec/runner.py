@@ -284,9 +284,13 @@ class ModelRunner:
 def _sampled_outputs(out: SamplerOutput, inputs: StepInputs) -> dict[int, SeqStepOutput]:
     """Each sampling sequence's one token (and its logprobs, when asked) from a plain step."""
     token_ids = out.token_ids.tolist()
+    wanted = inputs.logprobs.top_logprobs
+    if out.logprobs is None:
+        return {s: SeqStepOutput((token,)) for s, token in enumerate(token_ids)}
+    lps, top_ids, top_lps = out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist()  # whole
     return {s: SeqStepOutput((token_ids[s],), None if k is None else (
-        _token_logprob(token_ids[s], out.logprobs[s], out.top_token_ids[s], out.top_logprobs[s], k),))
-        for s, k in enumerate(inputs.logprobs.top_logprobs)}
+        TokenLogprob(token_ids[s], lps[s], tuple(zip(top_ids[s][:k], top_lps[s][:k]))),))
+        for s, k in enumerate(wanted)}
 
 
 def _add_prompt_logprobs(host: list[np.ndarray], inputs: StepInputs, outputs: list[SeqStepOutput]) -> None:
