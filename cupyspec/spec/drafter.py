@@ -48,7 +48,7 @@ class Drafter:
         self.num_steps = 0  # engine steps observed
         self.contexts = Contexts()  # each sequence's tokens as an array, for the proposer
         self.shadows = ShadowProbes(self.contexts)
-        self._quiet = False  # the last plan drafted nothing
+        self._last_plan: dict[int, int] | None = None  # the cost-aware rule's last evaluated plan
         self._asked: set[int] = set()  # seq_ids asked for drafts this step
         self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
         self._drafting_streak = 0  # drafting steps observed since the last draft-free step the cost fit took
@@ -85,9 +85,10 @@ class Drafter:
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
-        """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). After a plan
-        without drafts the cost-aware rule is evaluated again only within the overhead budget
-        (nobody drafts meanwhile): it reads every sequence, and its inputs change slowly.
+        """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). The cost-aware
+        rule is evaluated again only within the overhead budget: it reads every sequence (and
+        solves for the best drafts when some pay), and its inputs change slowly. Meanwhile its
+        last plan stands, for the sequences it asked drafts of (`_standing`).
 
         The cost fit learns only from the steps the rule lets happen, so the rule explores: after
         EXPLORE_STEPS drafting steps in a row it takes steps without drafts until the fit has taken
@@ -107,16 +108,28 @@ class Drafter:
                 if self._plain_seconds >= self._explore_after:
                     self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
                     return self._explore(running)
-            if self._quiet and self._budget <= 0:
-                return {}
+            if self._budget <= 0 and self._last_plan is not None:
+                return self._standing(running)
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
         if cost is None and self.config.cost_aware_backoff:  # until the fit is ready, it needs both kinds
             return {} if self.num_steps % WARM_UP_PERIOD else self._explore(running, self.config)
         limits = draft_limits(running, self.config, cost)
-        self._quiet = not any(limits.values())
-        if self._quiet:
+        if self.config.cost_aware_backoff:
+            self._last_plan = limits
             self._budget -= time.perf_counter() - started
+        return limits
+
+    def _standing(self, running: Seq[Sequence]) -> dict[int, int]:
+        """The last evaluated plan, for the sequences it asked drafts of that still decode, within
+        the tokens each may still emit (a step emits drafts + 1)."""
+        if not self._last_plan or not any(self._last_plan.values()):  # the usual case under load: nobody drafts
+            return {}
+        limits = {}
+        for seq in running:
+            k = self._last_plan.get(seq.seq_id, 0)
+            if k and seq.num_tokens - seq.num_computed_tokens == 1:
+                limits[seq.seq_id] = max(0, min(k, seq.max_total_tokens - seq.num_tokens - 1))
         return limits
 
     def _exploring_seconds(self, drafting: int) -> float:
