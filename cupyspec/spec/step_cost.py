@@ -33,7 +33,6 @@ MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
 MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
 REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
-SLOPE_RIDGE = 1e-3  # penalty on a fit's slopes, relative to their weighted sums of squares (`terms`)
 
 
 class StepShape(NamedTuple):
@@ -90,20 +89,12 @@ class _WeightedLeastSquares:
 
     def terms(self, min_count: int) -> np.ndarray | None:
         """The solution, as of at most REFIT_STEPS - 1 observations ago; None before `min_count`.
-
-        The slopes (every term but the first, the intercept) are penalized by SLOPE_RIDGE times
-        their own weighted sum of squares: a slope the steps do not pin down, because its count
-        hardly varied (one sequence drafting 7 drafts, step after step) or varied with another,
-        goes to 0 and the intercept takes its share. (A plain least-squares solution of minimum
-        norm would split it by the counts' sizes, and one sequence's 7 draft rows would look 7
-        times dearer than the step that verifies them.)"""
+        Minimum norm: a term that has not varied gets no share of the intercept."""
         if self.count < min_count:
             return None
         if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
             self._fold()
-            ridge = SLOPE_RIDGE * np.diag(self.gram).copy()  # [T]
-            ridge[0] = 0.0
-            solution = np.linalg.lstsq(self.gram + np.diag(ridge), self.moment, rcond=1e-9)[0]
+            solution = np.linalg.lstsq(self.gram, self.moment, rcond=1e-9)[0]
             self._terms, self._solved_at = np.maximum(solution, 0.0), self.count
         return self._terms
 
