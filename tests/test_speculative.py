@@ -357,6 +357,22 @@ def test_a_run_of_steps_without_drafts_is_broken_to_measure_drafting_again():
     assert not any(any(plan.values()) for plan in plans)
 
 
+def test_an_exploring_step_that_took_long_makes_the_next_one_wait():
+    """The fit caps a step far slower than it predicts, so it cannot price an exploring step whose
+    proposals indexed whole prompts: the next one waits for EXPLORE_STEPS times what the last added."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, per_drafting_seq=1e-6)  # exploring looks cheap
+    seqs = [_decoding_seq(3, acceptance=0.01) for _ in range(EXPLORE_SEQS)]  # below the acceptance floor
+    exploring = []
+    for step in range(4 * EXPLORE_STEPS):
+        drafting = sum(k > 0 for k in drafter.plan(seqs).values())
+        if drafting:
+            exploring.append(step)
+        seconds = 0.1 if drafting else 1e-3  # exploring adds 99 ms: the next waits 32 * 99 ms of 1 ms steps
+        drafter.observe_step(StepShape(len(seqs) + 3 * drafting, drafting, 3 * drafting), seconds)
+    assert exploring == [EXPLORE_STEPS]
+
+
 def test_an_exploring_step_verifies_sequences_whatever_their_acceptance():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0.5)
     drafter = Drafter(config, _Constant())

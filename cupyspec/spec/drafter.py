@@ -55,6 +55,8 @@ class Drafter:
         self._plain_streak = 0  # observed steps in a row that did not
         self._plain_seconds = 0.0  # their wall time
         self._explore_after: float | None = None  # plain seconds after which exploring pays (see `plan`)
+        self._exploring_step = False  # the last plan explored (`observe_step` prices it)
+        self._explore_price = 0.0  # seconds the last exploring step added to a draft-free step
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
         # a new sequence's prior: the verified drafts and the proposals of recently finished sequences,
         # summed with decay (each sequence weighs as much as its evidence), with one accepted test and
@@ -82,6 +84,11 @@ class Drafter:
         self._plain_seconds = 0.0 if shape.drafting else self._plain_seconds + seconds
         if shape.drafting:
             self._explore_after = None
+        if self._exploring_step:
+            self._exploring_step = False
+            cost = self.step_cost.fit()
+            base = 0.0 if cost is None else cost.seconds(shape.rows - shape.draft_rows)
+            self._explore_price = max(0.0, seconds - shape.drain_seconds - base)
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
@@ -96,9 +103,11 @@ class Drafter:
         steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
         acceptance (`_explore`), if what such a step adds is at most 1 / EXPLORE_STEPS of the
         time since the last drafting step (at a load where drafting steps are dear, exploring waits
-        longer). Without the second, a cost learned at one load (drafting at concurrency 1
-        is one sequence drafting and one synchronous step at once, which no fit can tell apart)
-        kept speculation off at another load where it pays."""
+        longer; the price is the fit's, or what the last exploring step added if more: a first
+        proposal may index a whole prompt, host work the fit caps as an outlier). Without the
+        second, a cost learned at one load (drafting at concurrency 1 is one sequence drafting and
+        one synchronous step at once, which no fit can tell apart) kept speculation off at another
+        load where it pays."""
         if self.config.cost_aware_backoff:
             if self._drafting_streak >= EXPLORE_STEPS:
                 return {}
@@ -107,6 +116,7 @@ class Drafter:
                     self._explore_after = self._exploring_seconds(min(EXPLORE_SEQS, len(running))) * EXPLORE_STEPS
                 if self._plain_seconds >= self._explore_after:
                     self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
+                    self._exploring_step = True
                     return self._explore(running)
             if self._budget <= 0 and self._last_plan is not None:
                 return self._standing(running)
@@ -133,9 +143,11 @@ class Drafter:
         return limits
 
     def _exploring_seconds(self, drafting: int) -> float:
-        """What an exploring step of `drafting` sequences adds to a step (0 before the fit is ready)."""
+        """What an exploring step of `drafting` sequences adds to a step: the fit's price (0 before
+        it is ready), or what the last one added if more."""
         cost = self.step_cost.fit()
-        return 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
+        fitted = 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
+        return max(fitted, self._explore_price)
 
     def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig | None = None) -> dict[int, int]:
         """Drafts up to each sequence's limit under the fixed `rule` for the EXPLORE_SEQS sequences
