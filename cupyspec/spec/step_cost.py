@@ -89,7 +89,9 @@ class _WeightedLeastSquares:
 
     def terms(self, min_count: int) -> np.ndarray | None:
         """The solution, as of at most REFIT_STEPS - 1 observations ago; None before `min_count`.
-        Minimum norm: a term that has not varied gets no share of the intercept."""
+        Minimum norm: a term whose count stayed 0 gets no share; terms that the steps cannot tell
+        apart (one sequence drafting: a drafting step and a drafting sequence) split it by their
+        counts' sizes."""
         if self.count < min_count:
             return None
         if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
