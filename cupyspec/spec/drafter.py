@@ -5,8 +5,8 @@ the proposer catches up on deferred bookkeeping.
 This bookkeeping is overhead: evaluating the rule again (the last plan stands in between),
 shadow probing and the proposer's catching up share a budget of OVERHEAD_SHARE of the engine's
 step time, so that a speculating engine under a load where speculation does not pay runs within
-a few percent of one that does not speculate. (The time the step thread waits for the device is no measure of spare
-host time: a server's event loop writes responses meanwhile.)
+a few percent of one that does not speculate. (The time the step thread waits for the device is
+no measure of spare host time: a server's event loop writes responses meanwhile.)
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ class Drafter:
         self.num_steps += 1
         if shape.drafting:
             self._drafting_streak += 1
-        elif not shape.refilled:  # a refilled step does not show a draft-free step's price (step_cost.py)
-            self._drafting_streak = 0
-        self._plain_streak = 0 if shape.drafting else self._plain_streak + 1
-        self._plain_seconds = 0.0 if shape.drafting else self._plain_seconds + seconds
-        if shape.drafting:
-            self._explore_after = None
+            self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
+        else:
+            self._plain_streak += 1
+            self._plain_seconds += seconds
+            if not shape.refilled:  # a refilled step does not show a draft-free step's price (step_cost.py)
+                self._drafting_streak = 0
         if self._exploring_step:
             self._exploring_step = False
             cost = self.step_cost.fit()
