@@ -110,7 +110,31 @@ __device__ __forceinline__ void attend(
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int slice = lane % LANES, sub = lane / LANES;  // dims 8*slice.., position sub of a step
   const bool dims_ok = slice * 8 < head_dim;
-  wait_for_prior_grid();  // positions and block tables come before any kernel of the step; q and K/V do not
+  const int p_begin = blockIdx.z, p_end = split ? p_begin + 1 : num_parts;
+  auto kv_at = [&](int p, int offset, int dim) {  // element `dim` of the K/V row at `offset` in partition p
+    const int pos = p * PARTITION + offset, first_block = (p * PARTITION) >> log2_block_size;
+    const size_t slot = ((size_t)blocks_s[(pos >> log2_block_size) - first_block] << log2_block_size) +
+                        (pos & ((1 << log2_block_size) - 1));
+    return (slot * num_kv_heads + kv_head) * head_dim + dim;
+  };
+  auto stage = [&](int p) {  // partition p's KV blocks into blocks_s; split, its K/V rows into L2 at once
+    const int start = p * PARTITION, len = min(PARTITION, last + 1 - start);
+    const int first_block = start >> log2_block_size;
+    for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += NUM_THREADS)
+      blocks_s[i] = table[first_block + i];
+    __syncthreads();
+    if (split) {  // few rows: 32-byte sectors over the threads
+      const int sectors = (head_dim + 15) / 16;
+#pragma unroll 1
+      for (int i = threadIdx.x; i < len * sectors; i += NUM_THREADS) {
+        const size_t at = kv_at(p, i / sectors, i % sectors * 16);
+        prefetch_l2(k_cache + at);
+        prefetch_l2(v_cache + at);
+      }
+    }
+  };
+  stage(p_begin);  // before the wait: the block tables come before any kernel of the step, a prefetch only warms L2
+  wait_for_prior_grid();  // q and the newest K/V rows come from the kernel before
 
   float qf[HEADS][8];  // q * scale * log2(e): scores in base 2
 #pragma unroll
@@ -123,28 +147,9 @@ __device__ __forceinline__ void attend(
     for (int i = 0; i < 8; ++i) qf[h][i] = half_at(raw, i) * (scale * LOG2E);
   }
 
-  const int p_begin = blockIdx.z, p_end = split ? p_begin + 1 : num_parts;
   for (int p = p_begin; p < p_end; ++p) {
-    const int start = p * PARTITION, len = min(PARTITION, last + 1 - start);
-    const int first_block = start >> log2_block_size;
-    for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += NUM_THREADS)
-      blocks_s[i] = table[first_block + i];
-    __syncthreads();
-    auto kv_at = [&](int offset, int dim) {  // element `dim` of the K/V row at `offset` in the partition
-      const int pos = start + offset;
-      const size_t slot = ((size_t)blocks_s[(pos >> log2_block_size) - first_block] << log2_block_size) +
-                          (pos & ((1 << log2_block_size) - 1));
-      return (slot * num_kv_heads + kv_head) * head_dim + dim;
-    };
-    if (split) {  // few rows: the partition's K/V rows into L2 at once, 32-byte sectors over the threads
-      const int sectors = (head_dim + 15) / 16;
-#pragma unroll 1
-      for (int i = threadIdx.x; i < len * sectors; i += NUM_THREADS) {
-        const size_t at = kv_at(i / sectors, i % sectors * 16);
-        prefetch_l2(k_cache + at);
-        prefetch_l2(v_cache + at);
-      }
-    }
+    if (p != p_begin) stage(p);
+    const int len = min(PARTITION, last + 1 - p * PARTITION);
 
     float m[HEADS], l[HEADS], acc[HEADS][8];  // this lane group's online softmax, base 2
 #pragma unroll
@@ -162,7 +167,7 @@ __device__ __forceinline__ void attend(
         const int offset = tile * TILE + u * STEP + sub;  // in the partition
         k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
         if (offset < len && dims_ok) {
-          const size_t at = kv_at(offset, slice * 8);
+          const size_t at = kv_at(p, offset, slice * 8);
           k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + at));
           v_raw[u] = __ldg(reinterpret_cast<const uint4*>(v_cache + at));
         }
