@@ -26,7 +26,7 @@ from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
 from cupyspec.output_processor import OutputProcessor, RequestState
 from cupyspec.outputs import RequestOutput
-from cupyspec.runner import LaunchedStep, ModelRunner
+from cupyspec.runner import LaunchedStep, ModelRunner, SeqStepOutput
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
 from cupyspec.scheduler import Scheduler, SchedulerOutput
@@ -37,7 +37,7 @@ from cupyspec.spec.stats import SpecStats
 from cupyspec.spec.step_cost import StepShape
 from cupyspec.speculative_config import RequestSpeculation
 from cupyspec.warm_up import warm_up
-from cupyspec.worker import StepThread
+from cupyspec.worker import InlineSteps, StepThread
 
 log = logging.getLogger("cupyspec")
 
@@ -241,7 +241,7 @@ class AsyncEngine:
         """Schedule, run, process; with overlap scheduling, step N+1 is formed and launched before the
         host sees the tokens of step N, which the device feeds to it (runner.py). A step that drafts
         first waits for the step in flight: the proposers read every token on the host."""
-        steps = StepThread("cupyspec-step")
+        steps = InlineSteps() if self.backend.is_cuda else StepThread("cupyspec-step")
         mark = time.perf_counter()  # when the last step was launched (or the loop woke up)
         try:
             while True:
@@ -280,15 +280,15 @@ class AsyncEngine:
                 if overlap and not inputs.num_drafts.any():
                     previous = self._in_flight
                     refilled = previous is None
-                    launched, outputs = await steps.run(self.runner.launch_after, inputs,
-                                                        previous and previous.launched)
+                    launched = await steps.run(self.runner.launch, inputs)
+                    outputs = None if previous is None else await self._collect(steps, previous.launched)
                     self.scheduler.on_launched(sched)
                     self.outputs.hold_places(sched, inputs.owners)
                     if previous is not None:
                         self.outputs.process_step(previous.sched, outputs, held=True)
                     self._in_flight = _InFlight(sched, launched)
                 else:
-                    step_outputs = await steps.run(self.runner.run, inputs)
+                    step_outputs = await self._collect(steps, await steps.run(self.runner.launch, inputs))
                     self.scheduler.on_launched(sched)
                     self.outputs.process_step(sched, step_outputs)
                 if self.drafter is not None:
@@ -304,10 +304,15 @@ class AsyncEngine:
         finally:
             steps.close()
 
-    async def _finish_in_flight(self, steps: StepThread) -> None:
+    async def _finish_in_flight(self, steps: InlineSteps | StepThread) -> None:
         """Wait for the step in flight, then process its tokens."""
         in_flight, self._in_flight = self._in_flight, None
-        self.outputs.process_step(in_flight.sched, await steps.run(self.runner.collect, in_flight.launched), held=True)
+        self.outputs.process_step(in_flight.sched, await self._collect(steps, in_flight.launched), held=True)
+
+    async def _collect(self, steps: InlineSteps | StepThread, launched: LaunchedStep) -> list[SeqStepOutput]:
+        """A launched step's outputs, once the device has them on the host."""
+        await steps.until(launched.ready)
+        return await steps.run(self.runner.collect, launched)
 
     async def _idle(self) -> None:
         """Nothing to run: do the proposer's deferred work a slice at a time, then wait for a request."""

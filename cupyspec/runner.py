@@ -5,11 +5,11 @@ row. With speculation its segment is [last token, d1..dk] and rows 0..k are veri
 the step emits the accepted drafts plus one bonus or correction token (k = 0 is plain decoding
 through the speculative path).
 
-A step is launched, then collected. Launching queues the device work of a plain step and returns
-at once; its sampled tokens stay on the device too, in `sampled_tokens`, where the next step's
-placeholder input ids (~s for the step's sampling sequence s) find them. So the engine can form
-and launch step N+1 before it has seen the tokens of step N (overlap scheduling). A speculative
-step is verified, and waited for, while it is launched.
+A step is launched, then collected. Launching queues the step's device work and the copies of its
+results to the host, and returns at once (on a GPU); `LaunchedStep.ready` tells when collecting
+would not wait. A plain step's sampled tokens also stay on the device, in `sampled_tokens`, where
+the next step's placeholder input ids (~s for the step's sampling sequence s) find them. So the
+engine can form and launch step N+1 before it has seen the tokens of step N (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from cupyspec.scheduler import SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.spec.verify_step import LogprobRequests, PendingVerdict, StepVerdict, launch_verify
 from cupyspec.transfer import HostTransfer
 
 
@@ -72,7 +72,11 @@ class LaunchedStep(NamedTuple):
     inputs: StepInputs
     transfer: HostTransfer  # the sampled tokens (and logprobs) of a plain step, then the prompt logprobs
     num_sample_arrays: int  # how many of the transferred arrays sampling filled (0: none, or verified)
-    verified: dict[int, SeqStepOutput] | None  # a speculative step's outputs by sampling index, ready
+    verdict: PendingVerdict | None  # a speculative step's verification
+
+    def ready(self) -> bool:
+        """Whether its results are on the host (collecting would not wait)."""
+        return self.transfer.done() and (self.verdict is None or self.verdict.done())
 
 
 def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
@@ -204,25 +208,19 @@ class ModelRunner:
             prompt_owner=tuple(prompt.owner),
         )
 
-    def run(self, inputs: StepInputs) -> list[SeqStepOutput]:
-        """The whole step, waited for; safe in a worker thread."""
-        return self.collect(self.launch(inputs))
-
-    def launch_after(self, inputs: StepInputs,
-                     previous: LaunchedStep | None) -> tuple[LaunchedStep, list[SeqStepOutput] | None]:
-        """Launch this step, then collect the one before it (which the device finishes meanwhile)."""
-        launched = self.launch(inputs)
-        return launched, None if previous is None else self.collect(previous)
-
     def launch(self, inputs: StepInputs) -> LaunchedStep:
-        """Queue the forward pass, sampling and logprobs on the device (a speculative step is verified,
-        and waited for, here); safe in a worker thread."""
+        """Queue the forward pass, sampling or verification, logprobs and the copies of the results to
+        the host; on a GPU nothing waits for the device. Safe in a worker thread."""
         xp = self.backend.xp
         with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
             target_logits, prompt_logits = self._logits(inputs)
-            arrays, verified = [], None
+            arrays, verdict = [], None
             if target_logits is not None and inputs.num_drafts.any():
-                verified = self._verify(xp, target_logits, inputs)
+                verdict = launch_verify(
+                    xp, target_logits,
+                    VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
+                    inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
+                    self.logprob_stream)
             elif target_logits is not None:
                 arrays = sample_on_device(xp, target_logits, list(inputs.sampling))
                 self.sampled_tokens[:len(inputs.owners)] = arrays[0]
@@ -230,14 +228,14 @@ class ModelRunner:
             if prompt_logits is not None:
                 k_max = max(k for _, _, k in inputs.prompt_owner)
                 arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
-            return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verified)
+            return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
 
     def collect(self, step: LaunchedStep) -> list[SeqStepOutput]:
         """Wait for a launched step's results; each scheduled sequence's output, in order."""
         inputs, host = step.inputs, step.transfer.result()
         outputs = [SeqStepOutput()] * inputs.batch.num_seqs
-        if step.verified is not None:
-            by_sampler = step.verified
+        if step.verdict is not None:
+            by_sampler = _verified_outputs(step.verdict.result(), inputs)
         elif step.num_sample_arrays:
             by_sampler = _sampled_outputs(SamplerOutput.from_host(host[:step.num_sample_arrays]), inputs)
         else:
@@ -266,19 +264,15 @@ class ModelRunner:
 
         return tuple(rows_logits(rows) if len(rows) else None for rows in (inputs.target_rows, inputs.prompt_rows))
 
-    def _verify(self, xp, logits, inputs: StepInputs) -> dict[int, SeqStepOutput]:  # noqa: ANN001
-        """Tokens (and logprobs) of every sampling sequence from its target rows' logits [R, V], drafts verified."""
-        step = verify_with_logprobs(
-            xp, logits, VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
-            inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy, self.logprob_stream)
-        verdict = step.verify
-        results = {}
-        for s in range(len(inputs.owners)):
-            count, num_drafts = int(verdict.accept_num[s]), int(inputs.num_drafts[s])
-            results[s] = SeqStepOutput(tuple(int(t) for t in verdict.output_token_ids[s, :count]), step.token_logprobs[s],
-                                       num_drafts, tuple(bool(a) for a in verdict.accepted_mask[s, :num_drafts]),
-                                       draft_logprobs=step.draft_logprobs[s])
-        return results
+
+def _verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqStepOutput]:
+    """Each sampling sequence's tokens (and logprobs, when asked) from a speculative step's verdict."""
+    verdict = step.verify
+    counts, num_drafts = verdict.accept_num.tolist(), inputs.num_drafts.tolist()  # whole arrays at once
+    tokens, accepted = verdict.output_token_ids.tolist(), verdict.accepted_mask.tolist()
+    return {s: SeqStepOutput(tuple(tokens[s][:counts[s]]), step.token_logprobs[s], num_drafts[s],
+                             tuple(accepted[s][:num_drafts[s]]), draft_logprobs=step.draft_logprobs[s])
+            for s in range(len(inputs.owners))}
 
 
 def _sampled_outputs(out: SamplerOutput, inputs: StepInputs) -> dict[int, SeqStepOutput]:

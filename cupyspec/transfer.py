@@ -38,6 +38,10 @@ class HostTransfer:
         self._arrays = [host[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
                         for a, offset in zip(sources, offsets)]
 
+    def done(self) -> bool:
+        """Whether the copies are done (`result` would not wait)."""
+        return self._event is None or self._event.done
+
     def result(self) -> list[np.ndarray]:
         """The arrays on the host, in order (blocks until the copies are done)."""
         if self._event is not None:

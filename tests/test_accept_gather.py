@@ -8,9 +8,10 @@ import pytest
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
-                                         fetch_gathered)
+                                         gathered_on_host)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
 from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.transfer import fetch_arrays
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -39,7 +40,7 @@ def gather(xp, case: dict, rows: RowLogprobs | None = None) -> GatheredLogprobs:
     layout = case["layout"].upload(xp, case["drafts"], case["num_drafts"])
     rows = rows or RowLogprobs.compute(xp, logits, layout.row_target, case["k"])
     runs = xp.asarray(np.stack([case["num_accepted"], case["emitted"]]))  # [2, B]
-    return fetch_gathered(xp, accept_and_gather(xp, logits, rows, layout, runs), layout, case["k"])
+    return gathered_on_host(fetch_arrays(xp, [accept_and_gather(xp, logits, rows, layout, runs)])[0], layout, case["k"])
 
 
 def fields(out: GatheredLogprobs) -> list[np.ndarray]:

@@ -32,17 +32,14 @@ async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None,
                                     max_num_batched_tokens=16)
     engine.overlapped_steps = 0  # steps launched while the step before was still uncollected
     engine.verified_drafts = 0
-    launch_after, launch = engine.runner.launch_after, engine.runner.launch
-
-    def counting_launch_after(inputs, previous):
-        engine.overlapped_steps += previous is not None
-        return launch_after(inputs, previous)
+    launch = engine.runner.launch
 
     def counting_launch(inputs):
+        engine.overlapped_steps += engine._in_flight is not None  # launched before the step in flight was collected
         engine.verified_drafts += int(inputs.num_drafts.sum())
         return launch(inputs)
 
-    engine.runner.launch_after, engine.runner.launch = counting_launch_after, counting_launch
+    engine.runner.launch = counting_launch
     return engine
 
 
@@ -86,6 +83,16 @@ async def run_workload(engine: AsyncEngine, requests: list[tuple[list[int], Samp
     return results
 
 
+async def plain_workload(path: str) -> tuple[int, list[dict]]:
+    """The workload's stop token and its outputs from plain decoding, one step at a time."""
+    plain = await make_engine(path, overlap=False)
+    stop_token = (await collect(plain, prompts(9, 3)[0], SamplingParams(temperature=0.0, max_tokens=14,
+                                                                       ignore_eos=True)))["tokens"][0][5]
+    want = await run_workload(plain, workload(stop_token))
+    await plain.shutdown()
+    return stop_token, want
+
+
 def test_overlap_gives_the_outputs_of_a_step_at_a_time(tiny_gguf):
     async def main():
         results, overlapped, used = {}, {}, {}
@@ -116,11 +123,7 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
              "drafting costs its overlap": StepCost(1e-3, 0.0, per_drafting_step=1.0)}  # a second per drafting step
 
     async def main():
-        plain = await make_engine(tiny_gguf, overlap=False)
-        stop_token = (await collect(plain, prompts(9, 3)[0], SamplingParams(temperature=0.0, max_tokens=14,
-                                                                           ignore_eos=True)))["tokens"][0][5]
-        want = await run_workload(plain, workload(stop_token))
-        await plain.shutdown()
+        stop_token, want = await plain_workload(tiny_gguf)
         got, counts = {}, {}
         for name, cost in costs.items():
             engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
@@ -241,3 +244,46 @@ def test_placeholder_ids_embed_the_previous_steps_tokens():
     previous = np.array([7, 3, 9], dtype=np.int32)  # [S]
     ids = np.array([5, ~2, 0, ~0], dtype=np.int32)  # [T]: ~s stands for previous[s]
     assert np.array_equal(embed_tokens(np, table, ids, previous), table[[5, 9, 0, 7]])
+
+
+def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, monkeypatch):
+    """On a GPU the loop launches steps itself and polls for their results (worker.InlineSteps);
+    here the CPU engine is made to do the same. Plain and speculative steps, overlapped or not,
+    give the outputs of plain decoding on the step thread, one step at a time."""
+    import cupyspec.engine as engine_module
+    from cupyspec.worker import InlineSteps
+
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_strategy="target_match")
+
+    async def main():
+        stop_token, want = await plain_workload(tiny_gguf)
+        monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
+        engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
+        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
+        got = await run_workload(engine, workload(stop_token))
+        counts = engine.overlapped_steps, engine.verified_drafts, engine.stats().num_used_kv_blocks
+        await engine.shutdown()
+        return want, got, counts
+
+    want, got, (overlapped, drafts, used) = asyncio.run(main())
+    assert_same_outputs(got, want)
+    assert overlapped > 0 and drafts > 0 and used == 0
+
+
+def test_inline_steps_poll_while_the_loop_runs_other_tasks():
+    from cupyspec.worker import InlineSteps
+
+    async def main():
+        steps, ticks = InlineSteps(), []
+
+        async def other_task():
+            for i in range(5):
+                ticks.append(i)
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_task())
+        await steps.until(lambda: len(ticks) == 5)  # ready only once the other task has run to its end
+        await task
+        return await steps.run(lambda a, b: a + b, 2, 3), ticks
+
+    assert asyncio.run(main()) == (5, [0, 1, 2, 3, 4])

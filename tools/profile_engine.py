@@ -5,11 +5,12 @@
 
 Prompts go through AsyncEngine.chat (or generate, with --endpoint completions) at a fixed
 concurrency, greedy. Each phase of the loop (planning and proposing drafts, scheduling, preparing
-inputs, running or launching a step, collecting one, processing outputs, the drafter's bookkeeping)
+inputs, launching a step, collecting one, processing outputs, the drafter's bookkeeping)
 is wrapped with a timer; the report gives each phase's calls, host time per call and per engine
 step, next to the output tokens per second and the mean acceptance length. With speculation it
-also sets the steps the back-off rule's cost model observed against the model's final fit. Phases on the step
-thread (run, launch_after, collect) include their waits for the device.
+also sets out the steps the back-off rule's cost model observed against the model's final fit. On a GPU
+no phase waits for the device: the loop polls for a step's results before collecting them, and
+that wait is what the phases leave of a step's time.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cupyspec.speculative_config import SpeculativeConfig
 PHASES = {  # attribute path on the engine -> method names to time
     "drafter": ("plan", "propose", "after_step"),
     "scheduler": ("schedule",),
-    "runner": ("prepare", "run", "launch_after", "collect"),
+    "runner": ("prepare", "launch", "collect"),
     "outputs": ("process_step",),
 }
 

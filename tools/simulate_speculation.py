@@ -53,6 +53,9 @@ class _Launched(NamedTuple):
     done_at: float  # perf_counter time at which the modeled device finishes the step
     outputs: list[SeqStepOutput]
 
+    def ready(self) -> bool:
+        return time.perf_counter() >= self.done_at
+
 
 class ScriptedDevice:
     """Stands in for the runner's launch and collect: scripted tokens, modeled device time."""

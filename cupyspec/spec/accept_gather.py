@@ -19,7 +19,6 @@ import numpy as np
 from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprobs import top_logprobs_on_device
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
-from cupyspec.transfer import fetch_arrays
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
 
@@ -188,7 +187,7 @@ def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LayoutArrays, r
 def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayout, runs: Any) -> Any:
     """The buffer of GatheredLogprobs: offsets and logprobs of emitted tokens and drafts, from logits
     [R, V] f32 and runs [2, B] int64 (verification's verdict: num_accepted, then the emitted token),
-    all on the device. `fetch_gathered` brings it to the host."""
+    all on the device. `gathered_on_host` reads its host copy."""
     k = rows.top_ids.shape[1]
     size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
     buffer = xp.empty(size, dtype=xp.int64)  # the gather writes every element
@@ -204,7 +203,6 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
     return buffer
 
 
-def fetch_gathered(xp: Any, buffer: Any, layout: UploadedLayout, k: int) -> GatheredLogprobs:
-    """accept_and_gather's buffer on the host, in one transfer, as GatheredLogprobs."""
-    return GatheredLogprobs.within(fetch_arrays(xp, [buffer])[0], layout.num_seqs, layout.num_rows,
-                                   layout.num_draft_slots, k)
+def gathered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> GatheredLogprobs:
+    """The host copy of accept_and_gather's buffer as GatheredLogprobs."""
+    return GatheredLogprobs.within(host, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)

@@ -3,10 +3,12 @@
 On the GPU the log-softmax of the candidate rows runs on a second CUDA stream while the main
 stream verifies; the fused accept-and-gather kernel joins them (cupyspec/spec/accept_gather.py).
 Without a side stream (the CPU, or overlap turned off) the same work runs in sequence.
+`launch_verify` queues all of it and the transfer, without waiting; `PendingVerdict.result` waits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +16,9 @@ import numpy as np
 
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
-                                         fetch_gathered)
+                                         gathered_on_host)
 from cupyspec.spec.verify import VerifyInput, VerifyOutput, verify_on_device
+from cupyspec.transfer import HostTransfer
 
 
 @dataclass(frozen=True)
@@ -39,16 +42,33 @@ class StepVerdict:
     draft_logprobs: tuple[tuple[DraftLogprob, ...] | None, ...]  # [B]
 
 
-def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                         accept_policy: str, side_stream: Any | None = None) -> StepVerdict:
-    """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for.
+class PendingVerdict:
+    """A verification on its way to the host: one transfer, then the host records."""
+
+    def __init__(self, transfer: HostTransfer, finish: Callable[[np.ndarray], StepVerdict]) -> None:
+        self._transfer, self._finish = transfer, finish
+
+    def done(self) -> bool:
+        """Whether `result` would not wait."""
+        return self._transfer.done()
+
+    def result(self) -> StepVerdict:
+        """The verdict and logprobs on the host (waits for the transfer)."""
+        return self._finish(self._transfer.result()[0])
+
+
+def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
+                  accept_policy: str, side_stream: Any | None = None) -> PendingVerdict:
+    """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for, on the
+    device, their host copy started; nothing waits for the device.
 
     side_stream: a CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     """
     batch = len(inp.num_drafts)
     if not wanted.any:
-        verdict = verify_on_device(xp, logits, inp, strategy, accept_policy).to_host(xp, inp)
-        return StepVerdict(verdict, (None,) * batch, (None,) * batch)
+        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
+        return PendingVerdict(HostTransfer(xp, [runs]), lambda host: StepVerdict(
+            VerifyOutput.of(inp, host[0], host[1]), (None,) * batch, (None,) * batch))
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)]).astype(np.int64)  # [B+1]
@@ -66,11 +86,22 @@ def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: Logprob
             rows_ready = side_stream.record()
         device_verdict = verify_on_device(xp, logits, inp, strategy, accept_policy)
         main_stream.wait_event(rows_ready)
-    host = fetch_gathered(xp, accept_and_gather(xp, logits, rows, on_device, device_verdict.runs), on_device, k)
-    num_accepted, emitted = host.runs
-    return StepVerdict(VerifyOutput.of(inp, num_accepted, emitted),
-                       _token_logprobs(host, wants_tokens, wanted.top_logprobs),
-                       _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
+    buffer = accept_and_gather(xp, logits, rows, on_device, device_verdict.runs)
+
+    def finish(host_buffer: np.ndarray) -> StepVerdict:
+        host = gathered_on_host(host_buffer, on_device, k)
+        num_accepted, emitted = host.runs
+        return StepVerdict(VerifyOutput.of(inp, num_accepted, emitted),
+                           _token_logprobs(host, wants_tokens, wanted.top_logprobs),
+                           _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
+
+    return PendingVerdict(HostTransfer(xp, [buffer]), finish)
+
+
+def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
+                         accept_policy: str, side_stream: Any | None = None) -> StepVerdict:
+    """launch_verify, waited for."""
+    return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side_stream).result()
 
 
 def _top(ids: list[list[int]], lps: list[list[float]], k: int) -> list[tuple[tuple[int, float], ...]]:
