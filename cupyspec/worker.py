@@ -26,7 +26,10 @@ class InlineSteps:
 
     @staticmethod
     async def until(ready: Callable[[], bool]) -> None:
-        """Return once `ready()` holds, letting the loop run its other tasks meanwhile."""
+        """Return once `ready()` holds, letting the loop run its other tasks meanwhile, and at least
+        once even when it holds at once: a host-bound engine would otherwise keep the loop from
+        streaming outputs and taking requests."""
+        await asyncio.sleep(0)
         while not ready():
             await asyncio.sleep(0)
 

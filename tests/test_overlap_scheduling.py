@@ -270,6 +270,34 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
     assert overlapped > 0 and drafts > 0 and used == 0
 
 
+def test_steps_on_the_event_loop_let_other_tasks_run_at_every_step(tiny_gguf, monkeypatch):
+    """Even when every step's results are ready at once (a host-bound engine), the loop runs its other
+    tasks between steps: a ticker advances about once a step while a request generates."""
+    import cupyspec.engine as engine_module
+    from cupyspec.worker import InlineSteps
+
+    async def main():
+        monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
+        engine = await make_engine(tiny_gguf, overlap=True)
+        ticks, generating = [0], [True]
+
+        async def ticker():
+            while generating[0]:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks[0]
+        await collect(engine, prompts(9, 3)[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        generating[0] = False
+        await task
+        await engine.shutdown()
+        return ticks[0] - before
+
+    assert asyncio.run(main()) >= 40
+
+
 def test_inline_steps_poll_while_the_loop_runs_other_tasks():
     from cupyspec.worker import InlineSteps
 
