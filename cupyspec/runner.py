@@ -40,7 +40,8 @@ from cupyspec.transfer import HostTransfer
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Everything `run` needs, captured on the event loop so the worker thread reads no live state."""
+    """Everything a step needs, captured on the event loop, so that a step run on the step thread (CPU)
+    reads no live state."""
 
     batch: FlatBatch
     target_rows: np.ndarray  # [R] int64: batch rows whose logits pick (or verify) tokens
@@ -210,7 +211,7 @@ class ModelRunner:
 
     def launch(self, inputs: StepInputs) -> LaunchedStep:
         """Queue the forward pass, sampling or verification, logprobs and the copies of the results to
-        the host; on a GPU nothing waits for the device. Safe in a worker thread."""
+        the host; on a GPU nothing waits for the device. Safe on the step thread."""
         xp = self.backend.xp
         with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
             target_logits, prompt_logits = self._logits(inputs)
