@@ -5,8 +5,8 @@ the proposer catches up on deferred bookkeeping.
 This bookkeeping is overhead: evaluating the rule again (the last plan stands in between),
 shadow probing and the proposer's catching up share a budget of OVERHEAD_SHARE of the engine's
 step time, so that a speculating engine under a load where speculation does not pay runs within
-a few percent of one that does not speculate. (The time the step thread waits for the device is
-no measure of spare host time: a server's event loop writes responses meanwhile.)
+a few percent of one that does not speculate. (The time the engine waits for the device is no
+measure of spare host time: a server's event loop writes responses meanwhile.)
 """
 
 from __future__ import annotations
