@@ -13,7 +13,7 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import EXPLORE_SEQS, EXPLORE_STEPS, WARM_UP_PERIOD, Drafter
+from cupyspec.spec.drafter import EXPLORE_SEQS, EXPLORE_STEPS, SAME_ROWS_STREAK_FACTOR, WARM_UP_PERIOD, Drafter
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
 from cupyspec.spec.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepCostModel, StepShape
@@ -275,7 +275,9 @@ class _Constant(Proposer):
 
 def test_between_evaluations_the_last_plan_stands():
     """The cost-aware rule is evaluated within the overhead budget; in between, the sequences its
-    last plan asked drafts of keep them (within the tokens each may still emit), newcomers wait."""
+    last plan asked drafts of keep them (within the tokens each may still emit). A decoding sequence
+    the plan has not seen makes the rule evaluate anew when the plan drafts (at one sequence, each
+    new request would otherwise wait for the budget), and waits when it drafts nothing (under load)."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
     drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
     first, near_end, newcomer = _decoding_seq(3), _decoding_seq(3), _decoding_seq(3)
@@ -284,9 +286,12 @@ def test_between_evaluations_the_last_plan_stands():
     drafter._budget = 0.0
     near_end.output_token_ids += [5] * 97  # 101 of its 103 tokens: room for one more draft
     near_end.num_computed_tokens = near_end.num_tokens - 1
-    assert drafter.plan([first, near_end, newcomer]) == {first.seq_id: 3, near_end.seq_id: 1}
-    drafter._budget = 1.0
+    assert drafter.plan([first, near_end]) == {first.seq_id: 3, near_end.seq_id: 1}
+    assert drafter._budget == 0.0  # the plan stood: nothing was evaluated
     assert drafter.plan([first, near_end, newcomer]) == {first.seq_id: 3, near_end.seq_id: 1, newcomer.seq_id: 3}
+    assert drafter._budget < 0.0  # evaluated, on credit
+    drafter._last_plan = {first.seq_id: 0, near_end.seq_id: 0}
+    assert drafter.plan([first, near_end, newcomer]) == {}
 
 
 @pytest.mark.parametrize("emitted, recovers", [(7, True), (8, False)])
@@ -327,6 +332,20 @@ def test_a_run_of_drafting_steps_is_broken_to_measure_a_plain_one(overlap: bool)
     plain = [EXPLORE_STEPS, EXPLORE_STEPS + 1, 2 * EXPLORE_STEPS + 2, 2 * EXPLORE_STEPS + 3] if overlap else \
         [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
     assert [i for i, k in enumerate(plans) if k == 0] == plain
+
+
+def test_at_an_unchanged_batch_drafting_runs_longer_before_a_plain_step():
+    """A draft-free step at the rows of the last one the fit took shows nothing new (one sequence
+    decoding alone): drafting steps then run SAME_ROWS_STREAK_FACTOR times as long in a row."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
+    seq = _decoding_seq(3)
+    drafter.observe_step(StepShape(1), 1e-3)  # a draft-free step of this batch's one row
+    plans = []
+    for _ in range(SAME_ROWS_STREAK_FACTOR * EXPLORE_STEPS + 1):
+        plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
+        drafter.observe_step(StepShape(4 if plans[-1] else 1, plans[-1] > 0, 3 if plans[-1] else 0), 1e-3)
+    assert [i for i, k in enumerate(plans) if k == 0] == [SAME_ROWS_STREAK_FACTOR * EXPLORE_STEPS]
 
 
 def _explorations(drafter: Drafter, seqs: list[Sequence], step_seconds: float) -> list[dict[int, int]]:

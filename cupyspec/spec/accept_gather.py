@@ -11,6 +11,7 @@ back in one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -130,16 +131,16 @@ class GatheredLogprobs:
     def buffer_size(num_seqs: int, rows: int, slots: int, k: int) -> int:
         """int64 elements of the buffer."""
         ints, floats = _shapes(num_seqs, rows, slots, k)
-        return sum(int(np.prod(s)) for s in ints) + (sum(int(np.prod(s)) for s in floats) + 1) // 2
+        return sum(map(math.prod, ints)) + (sum(map(math.prod, floats)) + 1) // 2
 
     @classmethod
     def within(cls, buffer: Any, num_seqs: int, rows: int, slots: int, k: int) -> GatheredLogprobs:
         ints, floats = _shapes(num_seqs, rows, slots, k)
         views = []
-        for shapes, flat in ((ints, buffer), (floats, buffer[sum(int(np.prod(s)) for s in ints):].view(np.float32))):
+        for shapes, flat in ((ints, buffer), (floats, buffer[sum(map(math.prod, ints)):].view(np.float32))):
             at = 0
             for shape in shapes:
-                size = int(np.prod(shape))
+                size = math.prod(shape)
                 views.append(flat[at:at + size].reshape(shape))
                 at += size
         return cls(*views)

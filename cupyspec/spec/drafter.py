@@ -27,6 +27,9 @@ from cupyspec.speculative_config import SpeculativeConfig
 OVERHEAD_SHARE = 0.02  # of each step's wall time, for the overhead budget (module docstring)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
 EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kind, one of the other
+# ... but drafting steps run this many times longer in a row while the batch keeps the rows of the
+# last draft-free step the fit took (at one sequence: a draft-free step there would show nothing new)
+SAME_ROWS_STREAK_FACTOR = 8
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
 PRIOR_DECAY = 0.9  # weight kept by the server-wide evidence at each finished sequence
@@ -53,6 +56,7 @@ class Drafter:
         self._drafted: list[Sequence] = []  # the sequences given drafts this step (to clear at the next)
         self._drafting_streak = 0  # drafting steps observed since the last draft-free step the cost fit took
         self._plain_streak = 0  # observed steps in a row that did not
+        self._plain_rows = -1  # rows of the last draft-free step the cost fit took
         self._plain_seconds = 0.0  # their wall time
         self._explore_after: float | None = None  # plain seconds after which exploring pays (see `plan`)
         self._exploring_step = False  # the last plan explored (`observe_step` prices it)
@@ -83,7 +87,7 @@ class Drafter:
             self._plain_streak += 1
             self._plain_seconds += seconds
             if not shape.refilled:  # a refilled step does not show a draft-free step's price (step_cost.py)
-                self._drafting_streak = 0
+                self._drafting_streak, self._plain_rows = 0, shape.rows
         if self._exploring_step:
             self._exploring_step = False
             cost = self.step_cost.fit()
@@ -99,7 +103,8 @@ class Drafter:
 
         The cost fit learns only from the steps the rule lets happen, so the rule explores: after
         EXPLORE_STEPS drafting steps in a row it takes steps without drafts until the fit has taken
-        one (under overlap scheduling the first is refilled, so two), and after as many
+        one (under overlap scheduling the first is refilled, so two; SAME_ROWS_STREAK_FACTOR times
+        as many while the batch has the rows of the last one the fit took), and after as many
         steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
         acceptance (`_explore`), if what such a step adds is at most 1 / EXPLORE_STEPS of the
         time since the last drafting step (at a load where drafting steps are dear, exploring waits
@@ -109,7 +114,8 @@ class Drafter:
         one synchronous step at once, which no fit can tell apart) kept speculation off at another
         load where it pays."""
         if self.config.cost_aware_backoff:
-            if self._drafting_streak >= EXPLORE_STEPS:
+            longest = EXPLORE_STEPS * (SAME_ROWS_STREAK_FACTOR if len(running) == self._plain_rows else 1)
+            if self._drafting_streak >= longest:
                 return {}
             if self._plain_streak >= EXPLORE_STEPS:
                 if self._explore_after is None:  # priced once per run of draft-free steps: it reads the fit
@@ -119,7 +125,9 @@ class Drafter:
                     self._exploring_step = True
                     return self._explore(running)
             if self._budget <= 0 and self._last_plan is not None:
-                return self._standing(running)
+                standing = self._standing(running)
+                if standing is not None:
+                    return standing
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
         if cost is None and self.config.cost_aware_backoff:  # until the fit is ready, it needs both kinds
@@ -130,15 +138,21 @@ class Drafter:
             self._budget -= time.perf_counter() - started
         return limits
 
-    def _standing(self, running: Seq[Sequence]) -> dict[int, int]:
+    def _standing(self, running: Seq[Sequence]) -> dict[int, int] | None:
         """The last evaluated plan, for the sequences it asked drafts of that still decode, within
-        the tokens each may still emit (a step emits drafts + 1)."""
+        the tokens each may still emit (a step emits drafts + 1); None when it cannot stand: it
+        drafts, and a decoding sequence came after it (at one sequence, each new request's)."""
         if not self._last_plan or not any(self._last_plan.values()):  # the usual case under load: nobody drafts
             return {}
         limits = {}
         for seq in running:
-            k = self._last_plan.get(seq.seq_id, 0)
-            if k and seq.num_tokens - seq.num_computed_tokens == 1:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            k = self._last_plan.get(seq.seq_id)
+            if k is None:
+                if seq.output_token_ids:
+                    return None
+            elif k:
                 limits[seq.seq_id] = max(0, min(k, seq.max_total_tokens - seq.num_tokens - 1))
         return limits
 
