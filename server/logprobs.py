@@ -27,7 +27,8 @@ class TokenText:
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
-    def _entry(self, token_id: int) -> tuple[str, list[int]]:
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, bytes) of the token; the bytes list is shared: do not change it."""
         entry = self._cache.get(token_id)
         if entry is None:
             raw = self._tokenizer.token_bytes(token_id)
@@ -39,10 +40,10 @@ class TokenText:
         return entry
 
     def text(self, token_id: int) -> str:
-        return self._entry(token_id)[0]
+        return self.entry(token_id)[0]
 
     def bytes(self, token_id: int) -> list[int]:
-        return self._entry(token_id)[1]
+        return self.entry(token_id)[1]
 
 
 def clamp(logprob: float) -> float:
@@ -102,17 +103,21 @@ def merge_completion_logprobs(parts: Sequence[L], kind: type[L]) -> L:
     return kind(**{name: [x for p in parts for x in getattr(p, name)] for name in kind.__struct_fields__})
 
 
-def _chat_fields(texts: TokenText, entry: TokenLogprob) -> dict[str, Any]:
-    return {"token": texts.text(entry.token_id), "logprob": clamp(entry.logprob), "bytes": texts.bytes(entry.token_id),
-            "top_logprobs": [TopLogprob(token=texts.text(t), logprob=clamp(lp), bytes=texts.bytes(t))
-                             for t, lp in entry.top]}
+def _chat_fields(texts: TokenText, entry: TokenLogprob) -> tuple[str, float, list[int], list[TopLogprob]]:
+    """ChatTokenLogprob's fields, in order (positional: the server renders one per emitted token)."""
+    top = []
+    for token_id, logprob in entry.top:
+        text, raw = texts.entry(token_id)
+        top.append(TopLogprob(text, clamp(logprob), raw))
+    text, raw = texts.entry(entry.token_id)
+    return text, clamp(entry.logprob), raw, top
 
 
 def chat_logprobs(texts: TokenText, logprobs: Sequence[TokenLogprob]) -> list[ChatTokenLogprob]:
     """Chat `logprobs.content` entries: each token with its bytes and the top alternatives."""
-    return [ChatTokenLogprob(**_chat_fields(texts, entry)) for entry in logprobs]
+    return [ChatTokenLogprob(*_chat_fields(texts, entry)) for entry in logprobs]
 
 
 def chat_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob]) -> list[ChatDraftTokenLogprob]:
     """Chat `draft_logprobs.content` entries: the `logprobs.content` form plus `accepted`."""
-    return [ChatDraftTokenLogprob(**_chat_fields(texts, d), accepted=d.accepted) for d in drafts]
+    return [ChatDraftTokenLogprob(*_chat_fields(texts, d), accepted=d.accepted) for d in drafts]

@@ -86,7 +86,20 @@ async def _release(engine: Aborter, outputs: AsyncIterator[RequestOutput], reque
 async def engine_streams(engine: Aborter, requests: list[tuple[AsyncIterator[RequestOutput], str]],
                          ) -> AsyncIterator[list[EngineStream]]:
     """Open several requests at once and close them all on exit. If any fails to open, the
-    others are aborted and its error is raised."""
+    others are aborted and its error is raised. A single request is opened in place (see `merged`)."""
+    if len(requests) == 1:
+        streams = [await EngineStream.open(engine, *requests[0])]
+    else:
+        streams = await _open_all(engine, requests)
+    try:
+        yield streams
+    finally:
+        for stream in streams:
+            await stream.close()
+
+
+async def _open_all(engine: Aborter, requests: list[tuple[AsyncIterator[RequestOutput], str]]) -> list[EngineStream]:
+    """Open the requests concurrently; on any error or cancellation, close those that opened and raise."""
     tasks = [asyncio.ensure_future(EngineStream.open(engine, outputs, rid)) for outputs, rid in requests]
     try:
         await asyncio.wait(tasks)
@@ -98,14 +111,12 @@ async def engine_streams(engine: Aborter, requests: list[tuple[AsyncIterator[Req
             await stream.close()
         raise
     streams = _opened(tasks)
-    try:
-        errors = [t.exception() for t in tasks if t.exception() is not None]
-        if errors:
-            raise errors[0]  # type: ignore[misc]
-        yield streams
-    finally:
+    errors = [t.exception() for t in tasks if t.exception() is not None]
+    if errors:
         for stream in streams:
             await stream.close()
+        raise errors[0]  # type: ignore[misc]
+    return streams
 
 
 def _opened(tasks: list[asyncio.Future[EngineStream]]) -> list[EngineStream]:
@@ -113,7 +124,15 @@ def _opened(tasks: list[asyncio.Future[EngineStream]]) -> list[EngineStream]:
 
 
 async def merged(streams: list[EngineStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of all streams as they come, tagged with the stream's index."""
+    """Outputs of all streams as they come, tagged with the stream's index. A single stream is
+    iterated in place: every task between the engine and the response costs the output a turn of
+    the event loop, and on a GPU the loop turns once a step while the engine's host work outlasts
+    the device's."""
+    if len(streams) == 1:
+        async with aclosing(streams[0].__aiter__()) as outputs:
+            async for output in outputs:
+                yield 0, output
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: EngineStream) -> None:
