@@ -276,7 +276,7 @@ class AsyncEngine:
                         await self._finish_in_flight(steps)
                     continue
                 inputs = self.runner.prepare(sched)
-                refilled = False
+                refilled, kept = False, 0
                 if overlap and not inputs.num_drafts.any():
                     previous = self._in_flight
                     refilled = previous is None
@@ -291,10 +291,12 @@ class AsyncEngine:
                     step_outputs = await self._collect(steps, await steps.run(self.runner.launch, inputs))
                     self.scheduler.on_launched(sched)
                     self.outputs.process_step(sched, step_outputs)
+                    kept = sum(map(sum, (out.accepted for out in step_outputs)))
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), drain_seconds, refilled)
+                    shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), drain_seconds, refilled,
+                                      kept)
                     self.drafter.observe_step(shape, now - mark)
                     mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones

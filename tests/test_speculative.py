@@ -450,12 +450,42 @@ def test_the_step_cost_fit_recovers_the_terms():
         seqs = int(rng.integers(1, 257))
         drafting = int(rng.integers(1, seqs + 1)) if rng.random() < 0.4 else 0
         draft_rows = drafting * int(rng.integers(0, 6))
+        kept = int(rng.integers(0, draft_rows + 1))
         drain = float(rng.random() < 0.5) * 3e-4 * drafting / seqs
         refilled = not drafting and rng.random() < 0.2
-        seconds = 1e-3 + 4e-6 * seqs + (2e-4 + 5e-6 * draft_rows + 30e-6 * drafting + drain if drafting else 0.0)
-        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, drain, refilled),
+        seconds = 1e-3 + 4e-6 * seqs + (2e-4 + 5e-6 * draft_rows + 30e-6 * drafting + 8e-6 * kept + drain
+                                        if drafting else 0.0)
+        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, drain, refilled, kept),
                       seconds / 3 if refilled else seconds)
-    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 2e-4, 5e-6, 30e-6), rel=1e-6)
+    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 2e-4, 5e-6, 30e-6, 8e-6), rel=1e-3)
+
+
+def test_kept_drafts_are_charged_what_the_host_spends_on_them():
+    """Each kept draft costs the host `per_kept` (a token to process): drafts pay while that is
+    less than a draft-free step spends per token, and not beyond."""
+    acceptance, limits = np.array([0.9, 0.9]), np.array([4, 4])
+    cheap = best_drafts(acceptance, limits, 2, 1e-3, 1e-6, 1e-5, 1e-4, per_kept=1e-5)
+    assert cheap.tolist() == [4, 4]
+    dear = best_drafts(acceptance, limits, 2, 1e-3, 1e-6, 1e-5, 1e-4, per_kept=6e-4)  # more than 0.5 ms a token
+    assert dear.tolist() == [0, 0]
+
+
+def test_the_step_cost_fit_charges_what_does_not_vary_to_the_step():
+    """At one sequence every drafting step has one drafting sequence and the most drafts: the fit
+    cannot tell the step, the sequence and the rows apart, and charges the step, so that fewer
+    drafts do not look cheaper (a minimum-norm fit gave the rows most of the price)."""
+    model, rng = StepCostModel(), np.random.default_rng(0)
+    for _ in range(100):
+        if rng.random() < 0.5:
+            model.observe(StepShape(1), 8e-4)
+        else:
+            kept = int(rng.integers(0, 8))
+            model.observe(StepShape(8, 1, 7, kept=kept), 8e-4 + 5e-4 + 1e-5 * kept)
+    cost = model.fit()
+    assert cost.seconds(1) == pytest.approx(8e-4, rel=1e-3) and cost.per_row < 1e-7
+    assert cost.per_drafting_step == pytest.approx(5e-4, rel=1e-2)
+    assert cost.per_draft_row < 1e-7 and cost.per_drafting_seq < 1e-6
+    assert cost.per_kept_draft == pytest.approx(1e-5, rel=1e-2)
 
 
 def test_learned_costs_drive_the_back_off(tiny_gguf):

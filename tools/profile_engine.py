@@ -175,7 +175,7 @@ def step_costs(shapes: list[tuple[StepShape, float]], fit: StepCost | None) -> d
             if fit is not None:
                 group |= {"added_ms": mean([1e3 * (t - s.drain_seconds - fit.seconds(s.rows - s.draft_rows))
                                             for s, t in chosen]),
-                          "fit_added_ms": mean([1e3 * fit.drafting_seconds(s.draft_rows, s.drafting)
+                          "fit_added_ms": mean([1e3 * fit.drafting_seconds(s.draft_rows, s.drafting, s.kept)
                                                 for s, _ in chosen])}
         elif fit is not None:
             group["fit_ms"] = mean([1e3 * fit.seconds(s.rows) for s, _ in chosen])

@@ -51,7 +51,7 @@ def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCo
     limits = np.where(acceptance < config.min_acceptance_rate, 0, limits)
     if cost is not None and limits.any():
         limits = best_drafts(acceptance, limits, len(decoding), cost.seconds(len(running)), cost.per_draft_row,
-                             cost.per_drafting_seq, cost.per_drafting_step, hit_rate)
+                             cost.per_drafting_seq, cost.per_drafting_step, hit_rate, cost.per_kept_draft)
     limits = likeliest(acceptance, limits, config.max_draft_tokens_per_step)
     return {s.seq_id: int(k) for s, k in zip(decoding, limits)}
 
@@ -63,10 +63,11 @@ def _kept(acceptance: np.ndarray, width: int) -> np.ndarray:
 
 def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, base_seconds: float,
                 per_row: float, per_drafting_seq: float, per_drafting_step: float = 0.0,
-                hit_rate: np.ndarray | None = None) -> np.ndarray:
+                hit_rate: np.ndarray | None = None, per_kept: float = 0.0) -> np.ndarray:
     """Drafts [S] per sequence, each within limits [S], that maximize
     (base_tokens + expected kept drafts)
-    / (base_seconds + per_drafting_step * [any drafts] + per_drafting_seq * drafting + per_row * drafts),
+    / (base_seconds + per_drafting_step * [any drafts] + per_drafting_seq * drafting + per_row * drafts
+       + per_kept * expected kept drafts),
     where k drafts asked of sequence s keep hit_rate[s] * (a + ... + a^k) in expectation (hit rate 1
     when None).
 
@@ -83,23 +84,23 @@ def best_drafts(acceptance: np.ndarray, limits: np.ndarray, base_tokens: float, 
     gain = np.cumsum(_kept(acceptance, width), axis=1)  # [S, K]: expected kept with k = 1..K drafts
     if hit_rate is not None:
         gain *= hit_rate[:, None]
-    cost = per_drafting_seq + per_row * count  # [K]
+    cost = per_drafting_seq + per_row * count[None, :] + per_kept * gain  # [S, K]
     allowed = count[None, :] <= limits[:, None]  # [S, K]
     take = np.zeros(len(limits), dtype=int)
-    if not (allowed & (gain > base_tokens / max(base_seconds, 1e-9) * cost[None, :])).any():
+    if not (allowed & (gain > base_tokens / max(base_seconds, 1e-9) * cost)).any():
         return take
     drafting_seconds = base_seconds + per_drafting_step
     ratio = base_tokens / max(drafting_seconds, 1e-9)
     for _ in range(DINKELBACH_ITERATIONS):
-        value = np.where(allowed, gain - ratio * cost[None, :], 0.0)  # [S, K]
+        value = np.where(allowed, gain - ratio * cost, 0.0)  # [S, K]
         best = value.argmax(axis=1)  # [S]
         choice = np.where(value[np.arange(len(limits)), best] > 0, best + 1, 0)  # [S]
         if np.array_equal(choice, take):
             break
         take = choice
-        drafting = take > 0
+        drafting = np.flatnonzero(take)
         ratio = ((base_tokens + gain[drafting, take[drafting] - 1].sum())
-                 / max(drafting_seconds + cost[take[drafting] - 1].sum(), 1e-9))
+                 / max(drafting_seconds + cost[drafting, take[drafting] - 1].sum(), 1e-9))
     if ratio <= base_tokens / max(base_seconds, 1e-9):  # a draft-free step does better
         take[:] = 0
     return take

@@ -7,17 +7,23 @@ fit over recent steps:
 
 - a draft-free step: seconds = fixed + per_row * rows, over the draft-free steps;
 - what drafting adds to a step: seconds = per_drafting_step + per_draft_row * draft rows
-  + per_drafting_seq * drafting sequences, over the drafting steps, each measured against the
-  first estimate at its own rows. Under overlap scheduling a drafting step runs one step at a time
-  (the proposers read every token), so its host work is no longer hidden behind the device: that
-  shows in `per_drafting_step`.
+  + per_drafting_seq * drafting sequences + per_kept_draft * kept drafts, over the drafting steps,
+  each measured against the first estimate at its own rows. Under overlap scheduling a drafting
+  step runs one step at a time (the proposers read every token), so its host work is no longer
+  hidden behind the device: that shows in `per_drafting_step`. Kept drafts are tokens the host
+  processes (detokenizing, stop checks, outputs): without their term, their cost went to the draft
+  rows, which are more numerous where acceptance is high, and fewer drafts looked cheaper than they are.
+
+Each slope is shrunk towards 0 by a ridge too weak to matter where its regressor varies: where it
+does not (at one sequence every drafting step has one drafting sequence, and nearly always the
+most drafts), the intercept takes the cost instead of a minimum-norm share, which had charged
+seven drafts' rows most of the price of a drafting step.
 
 Two moves of time are left out. The first drafting step after draft-free ones waits for the step
 in flight (`drain_seconds`), and the first draft-free step after a drafting one has no step to wait
 for (`refilled`): the wait moves from one step to the other, so the drain is not charged to
-drafting and the refilled step is not taken as a draft-free step's price. Each fit alone has few
-terms that vary (the intercept and one slope), which keeps it stable over the few dozen steps it
-remembers.
+drafting and the refilled step is not taken as a draft-free step's price. Each fit has few terms,
+which keeps it stable over the few dozen steps it remembers.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ DRAFTING_DECAY = 0.97  # likewise for drafting steps (about 30 of them)
 MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
 MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
 REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
+RIDGE = 1e-3  # each slope's penalty, per unit of observation weight (module docstring)
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
 
@@ -43,6 +50,7 @@ class StepShape(NamedTuple):
     draft_rows: int = 0  # rows that verify drafts
     drain_seconds: float = 0.0  # its wait for the draft-free step in flight, before drafting
     refilled: bool = False  # a draft-free step launched with no step in flight, under overlap scheduling
+    kept: int = 0  # drafts that verification accepted
 
 
 @dataclass(frozen=True)
@@ -54,20 +62,23 @@ class StepCost:
     per_drafting_step: float = 0.0
     per_draft_row: float = 0.0
     per_drafting_seq: float = 0.0
+    per_kept_draft: float = 0.0
 
     def seconds(self, rows: float) -> float:
         """A draft-free step of `rows` rows."""
         return self.fixed + self.per_row * rows
 
-    def drafting_seconds(self, draft_rows: float, drafting: float) -> float:
-        """What drafting adds to a step, with `draft_rows` draft rows of `drafting` sequences."""
-        return self.per_drafting_step + self.per_draft_row * draft_rows + self.per_drafting_seq * drafting
+    def drafting_seconds(self, draft_rows: float, drafting: float, kept: float = 0.0) -> float:
+        """What drafting adds to a step, with `draft_rows` draft rows of `drafting` sequences, `kept` of them kept."""
+        return (self.per_drafting_step + self.per_draft_row * draft_rows + self.per_drafting_seq * drafting
+                + self.per_kept_draft * kept)
 
 
 class _WeightedLeastSquares:
-    """y = x . terms over observations weighted by decay ** (observations since); terms clipped at 0.
-    Observations are kept as tuples and folded into the weighted sums only when the fit is solved,
-    so observing costs the step loop a list append."""
+    """y = x . terms over observations weighted by decay ** (observations since), x[0] = 1; terms
+    clipped at 0, slopes (terms 1..) under a ridge (module docstring). Observations are kept as tuples
+    and folded into the weighted sums only when the fit is solved, so observing costs the step loop
+    a list append."""
 
     def __init__(self, num_terms: int, decay: float) -> None:
         self.decay = decay
@@ -89,14 +100,14 @@ class _WeightedLeastSquares:
 
     def terms(self, min_count: int) -> np.ndarray | None:
         """The solution, as of at most REFIT_STEPS - 1 observations ago; None before `min_count`.
-        Minimum norm: a term whose count stayed 0 gets no share; terms that the steps cannot tell
-        apart (one sequence drafting: a drafting step and a drafting sequence) split it by their
-        counts' sizes."""
+        A slope whose regressor does not vary gets nothing: the intercept takes its share."""
         if self.count < min_count:
             return None
         if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
             self._fold()
-            solution = np.linalg.lstsq(self.gram, self.moment, rcond=1e-9)[0]
+            ridge = RIDGE * self.gram[0, 0] * np.eye(len(self.moment))  # gram[0, 0]: the observations' weight
+            ridge[0, 0] = 0.0
+            solution = np.linalg.lstsq(self.gram + ridge, self.moment, rcond=1e-9)[0]
             self._terms, self._solved_at = np.maximum(solution, 0.0), self.count
         return self._terms
 
@@ -115,7 +126,7 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self._plain = _WeightedLeastSquares(2, PLAIN_DECAY)  # (1, rows) -> seconds
-        self._drafting = _WeightedLeastSquares(3, DRAFTING_DECAY)  # (1, draft rows, drafting) -> added seconds
+        self._drafting = _WeightedLeastSquares(4, DRAFTING_DECAY)  # (1, draft rows, drafting, kept) -> added seconds
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
@@ -132,7 +143,7 @@ class StepCostModel:
         if plain is None:  # nothing to measure drafting against yet
             return
         base = plain[0] + plain[1] * (shape.rows - shape.draft_rows)
-        x = (1.0, shape.draft_rows, shape.drafting)
+        x = (1.0, shape.draft_rows, shape.drafting, shape.kept)
         drafting = self._drafting.terms(MIN_DRAFTING_STEPS)
         if drafting is not None:
             seconds = min(seconds, OUTLIER_FACTOR * (base + float(np.dot(drafting, x))))
