@@ -291,7 +291,8 @@ class AsyncEngine:
                     step_outputs = await self._collect(steps, await steps.run(self.runner.launch, inputs))
                     self.scheduler.on_launched(sched)
                     self.outputs.process_step(sched, step_outputs)
-                    kept = sum(map(sum, (out.accepted for out in step_outputs)))
+                    if inputs.num_drafts.any():
+                        kept = sum(map(sum, (out.accepted for out in step_outputs)))
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()

@@ -145,7 +145,7 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
 def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
     """Drafting steps after draft-free ones wait for the step in flight (the drain is reported apart);
     the draft-free step after a drafting one has no step in flight (refilled); draft rows are the
-    drafts the runner verified."""
+    drafts the runner verified, kept drafts the ones it accepted."""
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
     async def main():
@@ -155,12 +155,13 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
         engine.drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
         await run_workload(engine, [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
                                     for p in prompts(6, 3)])
-        verified = engine.verified_drafts
+        verified, accepted = engine.verified_drafts, engine.metrics.spec_accepted.value()
         await engine.shutdown()
-        return shapes, verified
+        return shapes, verified, accepted
 
-    shapes, verified = asyncio.run(main())
+    shapes, verified, accepted = asyncio.run(main())
     assert sum(s.draft_rows for s in shapes) == verified > 0
+    assert sum(s.kept for s in shapes) == accepted > 0
     assert all(s.drafting for s in shapes if s.drain_seconds > 0)
     assert all(not s.draft_rows for s in shapes if s.refilled)
     after_drafts = [b for a, b in zip(shapes, shapes[1:]) if a.draft_rows and not b.draft_rows]
