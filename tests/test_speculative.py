@@ -13,7 +13,8 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import EXPLORE_SEQS, EXPLORE_STEPS, SAME_ROWS_STREAK_FACTOR, WARM_UP_PERIOD, Drafter
+from cupyspec.spec.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, OVERHEAD_BUDGET_CAP, SAME_ROWS_STREAK_FACTOR,
+                                   WARM_UP_PERIOD, Drafter)
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
 from cupyspec.spec.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepCostModel, StepShape
@@ -277,7 +278,8 @@ def test_between_evaluations_the_last_plan_stands():
     """The cost-aware rule is evaluated within the overhead budget; in between, the sequences its
     last plan asked drafts of keep them (within the tokens each may still emit). A decoding sequence
     the plan has not seen makes the rule evaluate anew when the plan drafts (at one sequence, each
-    new request would otherwise wait for the budget), and waits when it drafts nothing (under load)."""
+    new request would otherwise wait for the budget), on credit up to a bound, and waits when it
+    drafts nothing (under load)."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
     drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
     first, near_end, newcomer = _decoding_seq(3), _decoding_seq(3), _decoding_seq(3)
@@ -290,7 +292,12 @@ def test_between_evaluations_the_last_plan_stands():
     assert drafter._budget == 0.0  # the plan stood: nothing was evaluated
     assert drafter.plan([first, near_end, newcomer]) == {first.seq_id: 3, near_end.seq_id: 1, newcomer.seq_id: 3}
     assert drafter._budget < 0.0  # evaluated, on credit
+    later = _decoding_seq(3)
+    drafter._budget = -2 * OVERHEAD_BUDGET_CAP  # too deep in debt: the newcomer waits
+    assert drafter.plan([first, near_end, newcomer, later]) == {first.seq_id: 3, near_end.seq_id: 1,
+                                                                newcomer.seq_id: 3}
     drafter._last_plan = {first.seq_id: 0, near_end.seq_id: 0}
+    drafter._budget = 0.0
     assert drafter.plan([first, near_end, newcomer]) == {}
 
 

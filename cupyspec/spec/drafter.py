@@ -125,8 +125,8 @@ class Drafter:
                     self._exploring_step = True
                     return self._explore(running)
             if self._budget <= 0 and self._last_plan is not None:
-                standing = self._standing(running)
-                if standing is not None:
+                standing, complete = self._standing(running)
+                if complete or self._budget < -OVERHEAD_BUDGET_CAP:
                     return standing
         started = time.perf_counter()
         cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
@@ -138,23 +138,23 @@ class Drafter:
             self._budget -= time.perf_counter() - started
         return limits
 
-    def _standing(self, running: Seq[Sequence]) -> dict[int, int] | None:
+    def _standing(self, running: Seq[Sequence]) -> tuple[dict[int, int], bool]:
         """The last evaluated plan, for the sequences it asked drafts of that still decode, within
-        the tokens each may still emit (a step emits drafts + 1); None when it cannot stand: it
-        drafts, and a decoding sequence came after it (at one sequence, each new request's)."""
+        the tokens each may still emit (a step emits drafts + 1); and whether it can stand: not
+        when it drafts and a decoding sequence came after it (at one sequence, each new request's),
+        which is then planned at once, on credit up to OVERHEAD_BUDGET_CAP."""
         if not self._last_plan or not any(self._last_plan.values()):  # the usual case under load: nobody drafts
-            return {}
-        limits = {}
+            return {}, True
+        limits, complete = {}, True
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             k = self._last_plan.get(seq.seq_id)
             if k is None:
-                if seq.output_token_ids:
-                    return None
+                complete = complete and not seq.output_token_ids
             elif k:
                 limits[seq.seq_id] = max(0, min(k, seq.max_total_tokens - seq.num_tokens - 1))
-        return limits
+        return limits, complete
 
     def _exploring_seconds(self, drafting: int) -> float:
         """What an exploring step of `drafting` sequences adds to a step: the fit's price (0 before
