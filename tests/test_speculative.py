@@ -477,10 +477,10 @@ def test_kept_drafts_are_charged_what_the_host_spends_on_them():
     assert dear.tolist() == [0, 0]
 
 
-def test_the_step_cost_fit_charges_what_does_not_vary_to_the_step():
-    """At one sequence every drafting step has one drafting sequence and the most drafts: the fit
-    cannot tell the step, the sequence and the rows apart, and charges the step, so that fewer
-    drafts do not look cheaper (a minimum-norm fit gave the rows most of the price)."""
+def test_the_step_cost_fit_charges_rows_that_do_not_vary_to_the_step():
+    """At one sequence every drafting step has the most drafts: the fit cannot tell the step from
+    its rows, and charges the step, so that fewer drafts do not look cheaper (a minimum-norm fit
+    gave the rows most of the price)."""
     model, rng = StepCostModel(), np.random.default_rng(0)
     for _ in range(100):
         if rng.random() < 0.5:
@@ -490,9 +490,23 @@ def test_the_step_cost_fit_charges_what_does_not_vary_to_the_step():
             model.observe(StepShape(8, 1, 7, kept=kept), 8e-4 + 5e-4 + 1e-5 * kept)
     cost = model.fit()
     assert cost.seconds(1) == pytest.approx(8e-4, rel=1e-3) and cost.per_row < 1e-7
-    assert cost.per_drafting_step == pytest.approx(5e-4, rel=1e-2)
-    assert cost.per_draft_row < 1e-7 and cost.per_drafting_seq < 1e-6
+    assert cost.per_draft_row < 1e-7
+    assert cost.drafting_seconds(7, 1) == pytest.approx(5e-4, rel=1e-2)
+    assert cost.drafting_seconds(1, 1) == pytest.approx(5e-4, rel=1e-2)  # 6 drafts fewer save nothing
     assert cost.per_kept_draft == pytest.approx(1e-5, rel=1e-2)
+
+
+def test_a_fit_from_one_count_of_drafting_sequences_charges_each_sequence():
+    """While every drafting step had 8 drafting sequences (a busy server's exploring steps), part of
+    the price goes to each of them: more drafting sequences look dearer, not free."""
+    model = StepCostModel()
+    for i in range(60):
+        model.observe(StepShape(128), 2e-3)
+        if i % 3 == 0:
+            model.observe(StepShape(128 + 24, 8, 24, kept=int(i % 5)), 2e-3 + 4e-3 + 1e-6 * (i % 5))
+    cost = model.fit()
+    assert cost.drafting_seconds(24, 8) == pytest.approx(4e-3, rel=1e-2)
+    assert cost.drafting_seconds(84 * 3, 84) > 5 * cost.drafting_seconds(24, 8)
 
 
 def test_learned_costs_drive_the_back_off(tiny_gguf):

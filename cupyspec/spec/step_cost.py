@@ -14,10 +14,13 @@ fit over recent steps:
   processes (detokenizing, stop checks, outputs): without their term, their cost went to the draft
   rows, which are more numerous where acceptance is high, and fewer drafts looked cheaper than they are.
 
-Each slope is shrunk towards 0 by a ridge too weak to matter where its regressor varies: where it
-does not (at one sequence every drafting step has one drafting sequence, and nearly always the
-most drafts), the intercept takes the cost instead of a minimum-norm share, which had charged
-seven drafts' rows most of the price of a drafting step.
+The row slopes (per_row, per_draft_row) are shrunk towards 0 by a ridge too weak to matter where
+rows vary: where they do not (at one sequence every drafting step has nearly always the most
+drafts), the intercept takes the cost instead of a minimum-norm share, which had charged seven
+drafts' rows most of the price of a drafting step. The per-sequence slope keeps its minimum-norm
+share: when all drafting steps so far had as many drafting sequences (the exploring steps of a
+busy server), it charges each sequence part of the price, so that more of them look dearer,
+where a ridge let a fit learned from 8 of them send 84 sequences of a chat workload drafting.
 
 Two moves of time are left out. The first drafting step after draft-free ones waits for the step
 in flight (`drain_seconds`), and the first draft-free step after a drafting one has no step to wait
@@ -38,7 +41,7 @@ DRAFTING_DECAY = 0.97  # likewise for drafting steps (about 30 of them)
 MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
 MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
 REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
-RIDGE = 1e-3  # each slope's penalty, per unit of observation weight (module docstring)
+RIDGE = 1e-3  # a row slope's penalty, per unit of observation weight (module docstring)
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
 
 
@@ -76,12 +79,15 @@ class StepCost:
 
 class _WeightedLeastSquares:
     """y = x . terms over observations weighted by decay ** (observations since), x[0] = 1; terms
-    clipped at 0, slopes (terms 1..) under a ridge (module docstring). Observations are kept as tuples
+    clipped at 0, those in `ridged` under a ridge (module docstring). Observations are kept as tuples
     and folded into the weighted sums only when the fit is solved, so observing costs the step loop
     a list append."""
 
-    def __init__(self, num_terms: int, decay: float) -> None:
+    def __init__(self, decay: float, ridged: tuple[int, ...]) -> None:
+        """ridged [T]: 1 for the terms under the ridge, 0 for the others (the intercept first)."""
+        num_terms = len(ridged)
         self.decay = decay
+        self.ridged = np.array(ridged, dtype=float)  # [T]
         self.gram = np.zeros((num_terms, num_terms))  # [T, T] weighted sum of x x^T
         self.moment = np.zeros(num_terms)  # [T] weighted sum of x * y
         self.count = 0
@@ -105,8 +111,7 @@ class _WeightedLeastSquares:
             return None
         if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
             self._fold()
-            ridge = RIDGE * self.gram[0, 0] * np.eye(len(self.moment))  # gram[0, 0]: the observations' weight
-            ridge[0, 0] = 0.0
+            ridge = np.diag(RIDGE * self.gram[0, 0] * self.ridged)  # gram[0, 0]: the observations' weight
             solution = np.linalg.lstsq(self.gram + ridge, self.moment, rcond=1e-9)[0]
             self._terms, self._solved_at = np.maximum(solution, 0.0), self.count
         return self._terms
@@ -125,8 +130,9 @@ class StepCostModel:
     """The two fits of the module docstring."""
 
     def __init__(self) -> None:
-        self._plain = _WeightedLeastSquares(2, PLAIN_DECAY)  # (1, rows) -> seconds
-        self._drafting = _WeightedLeastSquares(4, DRAFTING_DECAY)  # (1, draft rows, drafting, kept) -> added seconds
+        self._plain = _WeightedLeastSquares(PLAIN_DECAY, (0, 1))  # (1, rows) -> seconds
+        # (1, draft rows, drafting, kept) -> added seconds
+        self._drafting = _WeightedLeastSquares(DRAFTING_DECAY, (0, 1, 0, 0))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
