@@ -160,7 +160,8 @@ async def main(args: argparse.Namespace) -> None:
 def step_costs(shapes: list[tuple[StepShape, float]], fit: StepCost | None) -> dict:
     """The steps the drafter's cost model observed, draft-free and drafting, against its final fit:
     mean wall ms and shape, and for drafting steps the time they added over a draft-free step of
-    their other rows, as observed (drain left out) and as the fit predicts."""
+    their other rows, as observed (the wait for the step in flight included, the refilled step
+    after them not counted) and as the fit predicts."""
     report: dict[str, Any] = {"fit_us": None if fit is None else {k: round(1e6 * v, 2) for k, v in asdict(fit).items()}}
     for kind, chosen in (("plain", [(s, t) for s, t in shapes if not s.drafting]),
                          ("drafting", [(s, t) for s, t in shapes if s.drafting])):
@@ -173,7 +174,7 @@ def step_costs(shapes: list[tuple[StepShape, float]], fit: StepCost | None) -> d
             group |= {"mean_drafting": mean([s.drafting for s, _ in chosen]),
                       "mean_draft_rows": mean([s.draft_rows for s, _ in chosen])}
             if fit is not None:
-                group |= {"added_ms": mean([1e3 * (t - s.drain_seconds - fit.seconds(s.rows - s.draft_rows))
+                group |= {"added_ms": mean([1e3 * (t - fit.seconds(s.rows - s.draft_rows))
                                             for s, t in chosen]),
                           "fit_added_ms": mean([1e3 * fit.drafting_seconds(s.draft_rows, s.drafting, s.kept)
                                                 for s, _ in chosen])}

@@ -92,7 +92,7 @@ class Drafter:
             self._exploring_step = False
             cost = self.step_cost.fit()
             base = 0.0 if cost is None else cost.seconds(shape.rows - shape.draft_rows)
-            self._explore_price = max(0.0, seconds - shape.drain_seconds - base)
+            self._explore_price = max(0.0, seconds - base)
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:

@@ -22,11 +22,15 @@ share: when all drafting steps so far had as many drafting sequences (the explor
 busy server), it charges each sequence part of the price, so that more of them look dearer,
 where a ridge let a fit learned from 8 of them send 84 sequences of a chat workload drafting.
 
-Two moves of time are left out. The first drafting step after draft-free ones waits for the step
-in flight (`drain_seconds`), and the first draft-free step after a drafting one has no step to wait
-for (`refilled`): the wait moves from one step to the other, so the drain is not charged to
-drafting and the refilled step is not taken as a draft-free step's price. Each fit has few terms,
-which keeps it stable over the few dozen steps it remembers.
+A drafting step breaks overlap scheduling: after draft-free steps it first waits for the one in
+flight (`drain_seconds`), and the draft-free step after it is launched with none in flight
+(`refilled`). So what a drafting step adds is taken over both: its own wall time, the wait
+included, plus what the refilled step after it took more or less than a draft-free step of its
+rows. Where the device is the bottleneck, a draft-free step waits for the one before it, the
+refilled one does not, and that gives back most of the drain; where the host is (a large batch), a
+draft-free step waits for nothing, the refilled one saves nothing, and the drain is part of what
+drafting costs. The refilled step is not taken as a draft-free step's price. Each fit has few
+terms, which keeps it stable over the few dozen steps it remembers.
 """
 
 from __future__ import annotations
@@ -133,6 +137,8 @@ class StepCostModel:
         self._plain = _WeightedLeastSquares(PLAIN_DECAY, (0, 1))  # (1, rows) -> seconds
         # (1, draft rows, drafting, kept) -> added seconds
         self._drafting = _WeightedLeastSquares(DRAFTING_DECAY, (0, 1, 0, 0))
+        self._open: tuple[tuple[float, ...], float] | None = None  # the last drafting step's x and added
+        # seconds, until the step after it shows whether it was refilled (module docstring)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
@@ -140,6 +146,12 @@ class StepCostModel:
         draft-free step is capped by the fit as last solved (by `fit`, which the back-off rule calls
         within its budget): solving it here would cost every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
+        if self._open is not None:
+            x, added = self._open
+            self._open = None
+            if shape.refilled and plain is not None:
+                added += seconds - (plain[0] + plain[1] * shape.rows)
+            self._drafting.observe(x, added)
         if not shape.drafting:
             if not shape.refilled:
                 if plain is not None:
@@ -153,7 +165,7 @@ class StepCostModel:
         drafting = self._drafting.terms(MIN_DRAFTING_STEPS)
         if drafting is not None:
             seconds = min(seconds, OUTLIER_FACTOR * (base + float(np.dot(drafting, x))))
-        self._drafting.observe(x, seconds - shape.drain_seconds - base)
+        self._open = (x, seconds - base)
 
     def fit(self) -> StepCost | None:
         """The estimate, or None before MIN_PLAIN_STEPS draft-free and MIN_DRAFTING_STEPS drafting steps."""
