@@ -15,9 +15,9 @@ fit over recent steps:
   rows, which are more numerous where acceptance is high, and fewer drafts looked cheaper than they are.
 
 The row slopes (per_row, per_draft_row) are shrunk towards 0 by a ridge too weak to matter where
-rows vary: where they do not (at one sequence every drafting step has nearly always the most
-drafts), the intercept takes the cost instead of a minimum-norm share, which had charged seven
-drafts' rows most of the price of a drafting step. The per-sequence slope keeps its minimum-norm
+rows vary: where they do not (at one sequence nearly every drafting step has the most drafts),
+the intercept takes the cost instead of a minimum-norm share, which had charged seven drafts' rows
+most of the price of a drafting step. The per-sequence slope keeps its minimum-norm
 share: when all drafting steps so far had as many drafting sequences (the exploring steps of a
 busy server), it charges each sequence part of the price, so that more of them look dearer,
 where a ridge let a fit learned from 8 of them send 84 sequences of a chat workload drafting.
@@ -110,7 +110,8 @@ class _WeightedLeastSquares:
 
     def terms(self, min_count: int) -> np.ndarray | None:
         """The solution, as of at most REFIT_STEPS - 1 observations ago; None before `min_count`.
-        A slope whose regressor does not vary gets nothing: the intercept takes its share."""
+        A ridged slope whose regressor does not vary gets nothing, the intercept takes its share;
+        other terms that the steps cannot tell apart split it by minimum norm."""
         if self.count < min_count:
             return None
         if self._terms is None or self.count - self._solved_at >= REFIT_STEPS:
