@@ -86,7 +86,8 @@ def running_servers(servers: list[tuple[str, list[str]]], out: Path, port: int,
 
 def run_bench(url: str, bench_args: list[str], result_file: Path) -> dict:
     """One bench_serve.py run; its summary."""
-    config = bench_serve.parse_args(["--base-url", url, "--no-progress", "--result-file", str(result_file), *bench_args])
+    config = bench_serve.parse_args(["--base-url", url, "--no-progress", "--result-file", str(result_file),
+                                     *bench_args])
     return asyncio.run(bench_serve.benchmark(config))["summary"]
 
 
