@@ -297,7 +297,7 @@ class AsyncEngine:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
                     shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), drain_seconds, refilled,
-                                      kept)
+                                      kept, len(sched.scheduled))
                     self.drafter.observe_step(shape, now - mark)
                     mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones

@@ -127,7 +127,7 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
         got, counts = {}, {}
         for name, cost in costs.items():
             engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
-            engine.drafter.step_cost.fit = lambda cost=cost: cost
+            engine.drafter.step_cost.fit = lambda sequences, cost=cost: cost
             got[name] = await run_workload(engine, workload(stop_token))
             counts[name] = engine.overlapped_steps, engine.verified_drafts, engine.stats().num_used_kv_blocks
             await engine.shutdown()
@@ -145,12 +145,12 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
 def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
     """Drafting steps after draft-free ones wait for the step in flight (the drain is reported apart);
     the draft-free step after a drafting one has no step in flight (refilled); draft rows are the
-    drafts the runner verified, kept drafts the ones it accepted."""
+    drafts the runner verified, kept drafts the ones it accepted; sequences those the step ran."""
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
     async def main():
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
-        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafting is free: drafts whenever found
+        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts whenever found
         shapes, observe = [], engine.drafter.observe_step
         engine.drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
         await run_workload(engine, [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
@@ -167,6 +167,7 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
     after_drafts = [b for a, b in zip(shapes, shapes[1:]) if a.draft_rows and not b.draft_rows]
     assert after_drafts and all(s.refilled for s in after_drafts)
     assert any(s.drain_seconds > 0 for s in shapes)
+    assert max(s.sequences for s in shapes) == 6 and min(s.sequences for s in shapes) >= 1
 
 
 def test_a_penalized_request_takes_its_steps_one_at_a_time(tiny_gguf):
@@ -260,7 +261,7 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
         stop_token, want = await plain_workload(tiny_gguf)
         monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
-        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
+        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
         got = await run_workload(engine, workload(stop_token))
         counts = engine.overlapped_steps, engine.verified_drafts, engine.stats().num_used_kv_blocks
         await engine.shutdown()

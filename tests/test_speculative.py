@@ -13,8 +13,8 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, OVERHEAD_BUDGET_CAP, SAME_ROWS_STREAK_FACTOR,
-                                   WARM_UP_PERIOD, Drafter)
+from cupyspec.spec.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, MAX_BACKOFF, OVERHEAD_BUDGET_CAP,
+                                   SAME_ROWS_STREAK_FACTOR, WARM_UP_PERIOD, Drafter)
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
 from cupyspec.spec.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepCostModel, StepShape
@@ -168,7 +168,7 @@ def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf, cost_
 
     async def main():
         engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5, cost_aware_backoff=cost_aware)
-        engine.drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)
+        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)
         first = await collect(engine, prompt, GREEDY)
         for _ in range(100):  # the idle engine caches the response
             await asyncio.sleep(0.001)
@@ -281,7 +281,7 @@ def test_between_evaluations_the_last_plan_stands():
     new request would otherwise wait for the budget), on credit up to a bound, and waits when it
     drafts nothing (under load)."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafts are free
     first, near_end, newcomer = _decoding_seq(3), _decoding_seq(3), _decoding_seq(3)
     drafter._budget = 1.0
     assert drafter.plan([first, near_end]) == {first.seq_id: 3, near_end.seq_id: 3}
@@ -315,7 +315,7 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
         seq.output_token_ids.append(emitted)
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)
-        drafter.observe_step(StepShape(1, plans[-1] > 0), 0.1)  # 3% of it: budget for probes
+        drafter.observe_step(StepShape(1, plans[-1] > 0), 0.1)  # OVERHEAD_SHARE of it: budget for probes
     assert plans[0] == 0
     assert drafter.plan([seq]).get(seq.seq_id, 0) == (3 if recovers else 0)
     assert seq.spec.num_draft_tokens == 0 and seq.spec.proposal_hit_rate > 0.99  # nothing was verified
@@ -329,7 +329,7 @@ def test_a_run_of_drafting_steps_is_broken_to_measure_a_plain_one(overlap: bool)
     refilled, which the fit leaves out, so two run: else the fit's draft-free price would never be
     brought up to date while drafting pays."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafts are free
     seq = _decoding_seq(3)
     plans = []
     for _ in range(2 * EXPLORE_STEPS + 4):
@@ -345,7 +345,7 @@ def test_at_an_unchanged_batch_drafting_runs_longer_before_a_plain_step():
     """A draft-free step at the rows of the last one the fit took shows nothing new (one sequence
     decoding alone): drafting steps then run SAME_ROWS_STREAK_FACTOR times as long in a row."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0)  # drafts are free
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafts are free
     seq = _decoding_seq(3)
     drafter.observe_step(StepShape(1), 1e-3)  # a draft-free step of this batch's one row
     plans = []
@@ -355,12 +355,14 @@ def test_at_an_unchanged_batch_drafting_runs_longer_before_a_plain_step():
     assert [i for i, k in enumerate(plans) if k == 0] == [SAME_ROWS_STREAK_FACTOR * EXPLORE_STEPS]
 
 
-def _explorations(drafter: Drafter, seqs: list[Sequence], step_seconds: float) -> list[dict[int, int]]:
+def _explorations(drafter: Drafter, seqs: list[Sequence], step_seconds: float,
+                  steps: int = 2 * EXPLORE_STEPS + 2) -> list[dict[int, int]]:
     plans = []
-    for _ in range(2 * EXPLORE_STEPS + 2):
+    for _ in range(steps):
         drafter._budget = 1.0  # the rule is evaluated at every step
         plans.append(drafter.plan(seqs))
-        drafter.observe_step(StepShape(len(seqs), sum(k > 0 for k in plans[-1].values())), step_seconds)
+        drafter.observe_step(StepShape(len(seqs), sum(k > 0 for k in plans[-1].values()), sequences=len(seqs)),
+                             step_seconds)
     return plans
 
 
@@ -370,24 +372,43 @@ def test_a_run_of_steps_without_drafts_is_broken_to_measure_drafting_again():
     such a step adds at most 1 / EXPLORE_STEPS of the time since the last one."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
     # a drafting sequence adds 0.3 ms to a 1 ms step: never worth it for 3 drafts at these acceptances
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, per_drafting_seq=3e-4)
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0, per_drafting_seq=3e-4)
     seqs = [_decoding_seq(3, acceptance=0.5 + 0.04 * i) for i in range(EXPLORE_SEQS + 4)]
     plans = _explorations(drafter, seqs, step_seconds=3e-3)  # 32 steps: 96 ms, at least 32 * 8 * 0.3 ms
     exploring = [i for i, plan in enumerate(plans) if any(plan.values())]
-    assert exploring == [EXPLORE_STEPS, 2 * EXPLORE_STEPS + 1]
+    assert exploring == [EXPLORE_STEPS]  # the next one backs off (below)
     likeliest = {s.seq_id for s in seqs[-EXPLORE_SEQS:]}
     assert plans[EXPLORE_STEPS] == {s.seq_id: 3 if s.seq_id in likeliest else 0 for s in seqs}
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, per_drafting_seq=3e-4)
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0, per_drafting_seq=3e-4)
     plans = _explorations(drafter, seqs, step_seconds=1e-3)  # 32 steps: 32 ms, less than 32 * 8 * 0.3 ms
     assert not any(any(plan.values()) for plan in plans)
+
+
+def test_while_exploring_finds_nothing_that_pays_it_backs_off():
+    """Each exploring step after which no other step drafted doubles the wait for the next one, up
+    to MAX_BACKOFF times the first; the first step that drafts restores it."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
+    hopeless = StepCost(1e-3, 0.0, per_drafting_seq=3e-4)  # 0.3 ms per drafting sequence on 1 ms steps
+    drafter.step_cost.fit = lambda sequences: hopeless
+    seqs = [_decoding_seq(3, acceptance=0.5 + 0.04 * i) for i in range(EXPLORE_SEQS + 4)]
+    plans = _explorations(drafter, seqs, step_seconds=3e-3, steps=620)
+    exploring = [i for i, plan in enumerate(plans) if any(plan.values())]
+    # an exploring step of 8 sequences adds 2.4 ms: at backoff b the next waits 32 * 2.4 ms * b of 3 ms steps
+    gaps = [later - earlier - 1 for earlier, later in zip(exploring, exploring[1:])]
+    assert exploring[0] == EXPLORE_STEPS and [round(gap / 25.6) for gap in gaps] == [2, 4, MAX_BACKOFF, MAX_BACKOFF]
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafts turn free: the rule drafts
+    assert any(_explorations(drafter, seqs, step_seconds=3e-3, steps=1)[0].values())
+    drafter.step_cost.fit = lambda sequences: hopeless
+    plans = _explorations(drafter, seqs, step_seconds=3e-3, steps=EXPLORE_STEPS + 2)
+    assert [i for i, plan in enumerate(plans) if any(plan.values())] == [EXPLORE_STEPS]
 
 
 def test_an_exploring_step_that_took_long_makes_the_next_one_wait():
     """The fit caps a step far slower than it predicts, so it cannot price an exploring step whose
     proposals indexed whole prompts: the next one waits for EXPLORE_STEPS times what the last added."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
-    drafter.step_cost.fit = lambda: StepCost(1e-3, 0.0, per_drafting_seq=1e-6)  # exploring looks cheap
+    drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0, per_drafting_seq=1e-6)  # exploring looks cheap
     seqs = [_decoding_seq(3, acceptance=0.01) for _ in range(EXPLORE_SEQS)]  # below the acceptance floor
     exploring = []
     for step in range(4 * EXPLORE_STEPS):
@@ -395,7 +416,7 @@ def test_an_exploring_step_that_took_long_makes_the_next_one_wait():
         if drafting:
             exploring.append(step)
         seconds = 0.1 if drafting else 1e-3  # exploring adds 99 ms: the next waits 32 * 99 ms of 1 ms steps
-        drafter.observe_step(StepShape(len(seqs) + 3 * drafting, drafting, 3 * drafting), seconds)
+        drafter.observe_step(StepShape(len(seqs) + 3 * drafting, drafting, 3 * drafting, sequences=len(seqs)), seconds)
     assert exploring == [EXPLORE_STEPS]
 
 
@@ -432,7 +453,7 @@ def test_until_the_cost_fit_is_ready_one_step_in_a_few_drafts():
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
     seq = _decoding_seq(3)
     plans = []
-    while drafter.step_cost.fit() is None:
+    while drafter.step_cost.fit(1) is None:
         # (+ 1: a drafting step is observed with the step after it)
         assert len(plans) < WARM_UP_PERIOD * (MIN_PLAIN_STEPS + MIN_DRAFTING_STEPS) + 1
         plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
@@ -456,15 +477,16 @@ def _drafting_episodes(model: StepCostModel, rng: np.random.Generator, device_bo
     saves what the drain took; host-bound it saves nothing."""
     for _ in range(100):
         seqs = int(rng.integers(1, 257))
-        model.observe(StepShape(seqs), 1e-3 + 4e-6 * seqs)
+        model.observe(StepShape(seqs, sequences=seqs), 1e-3 + 4e-6 * seqs)
         drafting = int(rng.integers(1, seqs + 1))
         draft_rows = drafting * int(rng.integers(0, 6))
         kept = int(rng.integers(0, draft_rows + 1))
         drain = float(rng.random()) * 5e-4
         added = 2e-4 + 5e-6 * draft_rows + 30e-6 * drafting + 8e-6 * kept
-        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, drain, kept=kept),
+        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, drain, kept=kept, sequences=seqs),
                       1e-3 + 4e-6 * seqs + added + drain)
-        model.observe(StepShape(seqs, refilled=True), 1e-3 + 4e-6 * seqs - (drain if device_bound else 0.0))
+        model.observe(StepShape(seqs, refilled=True, sequences=seqs),
+                      1e-3 + 4e-6 * seqs - (drain if device_bound else 0.0))
 
 
 def test_the_step_cost_fit_recovers_the_terms():
@@ -472,9 +494,9 @@ def test_the_step_cost_fit_recovers_the_terms():
     after it gives what drafting adds: where the device is the bottleneck the wait for the step in
     flight only moves from the refilled step to the drafting one."""
     model = StepCostModel()
-    assert model.fit() is None  # too few steps
+    assert model.fit(200) is None  # too few steps
     _drafting_episodes(model, np.random.default_rng(0), device_bound=True)
-    assert astuple(model.fit()) == pytest.approx((1e-3, 4e-6, 2e-4, 5e-6, 30e-6, 8e-6), rel=1e-3)
+    assert astuple(model.fit(200)) == pytest.approx((1e-3, 4e-6, 2e-4, 5e-6, 30e-6, 8e-6), rel=1e-3)
 
 
 def test_where_the_host_is_the_bottleneck_drafting_is_charged_its_wait():
@@ -482,9 +504,25 @@ def test_where_the_host_is_the_bottleneck_drafting_is_charged_its_wait():
     nothing: the drafting step's wait for the step in flight is what drafting costs."""
     model = StepCostModel()
     _drafting_episodes(model, np.random.default_rng(0), device_bound=False)
-    cost = model.fit()
+    cost = model.fit(200)
     assert cost.per_drafting_step == pytest.approx(2e-4 + 2.5e-4, rel=0.2)  # plus the drain's mean
     assert astuple(cost)[:2] == pytest.approx((1e-3, 4e-6), rel=1e-3)
+
+
+def test_what_drafting_adds_is_learned_apart_for_each_load():
+    """A price of drafting learned at 128 sequences (the host the bottleneck: a drafting step gives
+    up the overlap of a long step) does not hold at one sequence, nor the other way round."""
+    model = StepCostModel()
+    for i in range(60):
+        model.observe(StepShape(1, sequences=1), 7e-4)
+        model.observe(StepShape(128, sequences=128), 2e-3)
+        if i % 3 == 0:
+            model.observe(StepShape(6, 1, 5, sequences=1), 7e-4 + 1e-4)
+            model.observe(StepShape(128 + 40, 8, 40, sequences=128), 2e-3 + 8e-3)
+    assert model.fit(1).drafting_seconds(5, 1) == pytest.approx(1e-4, rel=1e-2)
+    assert model.fit(128).drafting_seconds(40, 8) == pytest.approx(8e-3, rel=1e-2)
+    assert model.fit(100).drafting_seconds(40, 8) == model.fit(128).drafting_seconds(40, 8)  # one band
+    assert model.fit(8) is None  # no drafting step seen at that load yet
 
 
 def test_kept_drafts_are_charged_what_the_host_spends_on_them():
@@ -508,7 +546,7 @@ def test_the_step_cost_fit_charges_rows_that_do_not_vary_to_the_step():
         else:
             kept = int(rng.integers(0, 8))
             model.observe(StepShape(8, 1, 7, kept=kept), 8e-4 + 5e-4 + 1e-5 * kept)
-    cost = model.fit()
+    cost = model.fit(1)
     assert cost.seconds(1) == pytest.approx(8e-4, rel=1e-3) and cost.per_row < 1e-7
     assert cost.per_draft_row < 1e-7
     assert cost.drafting_seconds(7, 1) == pytest.approx(5e-4, rel=1e-2)
@@ -521,10 +559,10 @@ def test_a_fit_from_one_count_of_drafting_sequences_charges_each_sequence():
     the price goes to each of them: more drafting sequences look dearer, not free."""
     model = StepCostModel()
     for i in range(60):
-        model.observe(StepShape(128), 2e-3)
+        model.observe(StepShape(128, sequences=128), 2e-3)
         if i % 3 == 0:
-            model.observe(StepShape(128 + 24, 8, 24, kept=int(i % 5)), 2e-3 + 4e-3 + 1e-6 * (i % 5))
-    cost = model.fit()
+            model.observe(StepShape(128 + 24, 8, 24, kept=int(i % 5), sequences=128), 2e-3 + 4e-3 + 1e-6 * (i % 5))
+    cost = model.fit(128)
     assert cost.drafting_seconds(24, 8) == pytest.approx(4e-3, rel=1e-2)
     assert cost.drafting_seconds(84 * 3, 84) > 5 * cost.drafting_seconds(24, 8)
 
@@ -532,7 +570,7 @@ def test_a_fit_from_one_count_of_drafting_sequences_charges_each_sequence():
 def test_learned_costs_drive_the_back_off(tiny_gguf):
     async def metrics_with(cost: StepCost):
         engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3, cost_aware_backoff=True)
-        engine.drafter.step_cost.fit = lambda: cost
+        engine.drafter.step_cost.fit = lambda sequences: cost
         out = await collect(engine, REPEAT, GREEDY)
         await engine.shutdown()
         return out["out"].speculate_metrics

@@ -32,7 +32,7 @@ from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.gc_policy import settle_garbage_collector
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.spec.step_cost import StepCost, StepShape
+from cupyspec.spec.step_cost import LOAD_BANDS, StepCost, StepShape
 from cupyspec.speculative_config import SpeculativeConfig
 
 PHASES = {  # attribute path on the engine -> method names to time
@@ -142,7 +142,6 @@ async def main(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - started
     finally:
         await engine.shutdown()
-    fit = engine.drafter.step_cost.fit() if engine.drafter is not None else None
     steps = max(timer.calls["schedule"], 1)
     report = {"output_tok_per_s": totals["tokens"] / seconds, "seconds": seconds, "engine_steps": steps,
               "us_per_step": 1e6 * seconds / steps,
@@ -153,33 +152,38 @@ async def main(args: argparse.Namespace) -> None:
                          for name in sorted(timer.calls, key=lambda n: -timer.seconds[n])}}
     report["by_running"] = by_running(trace)
     if shapes:
-        report["step_costs"] = step_costs(shapes, fit)
+        report["step_costs"] = step_costs(shapes, engine.drafter.step_cost.fit)
     print(json.dumps(report, indent=1))
 
 
-def step_costs(shapes: list[tuple[StepShape, float]], fit: StepCost | None) -> dict:
-    """The steps the drafter's cost model observed, draft-free and drafting, against its final fit:
-    mean wall ms and shape, and for drafting steps the time they added over a draft-free step of
-    their other rows, as observed (the wait for the step in flight included, the refilled step
-    after them not counted) and as the fit predicts."""
-    report: dict[str, Any] = {"fit_us": None if fit is None else {k: round(1e6 * v, 2) for k, v in asdict(fit).items()}}
+def step_costs(shapes: list[tuple[StepShape, float]], fit: Callable[[int], StepCost | None]) -> dict:
+    """The steps the drafter's cost model observed, draft-free and drafting, against its final fit
+    (`fit(sequences)`, per load band): mean wall ms and shape, and for drafting steps the time they
+    added over a draft-free step of their other rows, as observed (the wait for the step in flight
+    included, the refilled step after them not counted) and as the fit predicts."""
+    report: dict[str, Any] = {"fit_us": {}}
+    for band, sequences in enumerate((*LOAD_BANDS, LOAD_BANDS[-1] + 1)):
+        cost = fit(sequences)
+        if cost is not None:
+            label = f"<={sequences}" if band < len(LOAD_BANDS) else f">{LOAD_BANDS[-1]}"
+            report["fit_us"][f"sequences {label}"] = {k: round(1e6 * v, 2) for k, v in asdict(cost).items()}
     for kind, chosen in (("plain", [(s, t) for s, t in shapes if not s.drafting]),
                          ("drafting", [(s, t) for s, t in shapes if s.drafting])):
         if not chosen:
             continue
+        fitted = [(s, t, cost) for s, t in chosen if (cost := fit(s.sequences)) is not None]
         mean = lambda values: round(float(np.mean(values)), 3)  # noqa: E731
         group = {"steps": len(chosen), "mean_ms": mean([1e3 * t for _, t in chosen]),
                  "mean_rows": mean([s.rows for s, _ in chosen])}
         if kind == "drafting":
             group |= {"mean_drafting": mean([s.drafting for s, _ in chosen]),
                       "mean_draft_rows": mean([s.draft_rows for s, _ in chosen])}
-            if fit is not None:
-                group |= {"added_ms": mean([1e3 * (t - fit.seconds(s.rows - s.draft_rows))
-                                            for s, t in chosen]),
-                          "fit_added_ms": mean([1e3 * fit.drafting_seconds(s.draft_rows, s.drafting, s.kept)
-                                                for s, _ in chosen])}
-        elif fit is not None:
-            group["fit_ms"] = mean([1e3 * fit.seconds(s.rows) for s, _ in chosen])
+            if fitted:
+                group |= {"added_ms": mean([1e3 * (t - cost.seconds(s.rows - s.draft_rows)) for s, t, cost in fitted]),
+                          "fit_added_ms": mean([1e3 * cost.drafting_seconds(s.draft_rows, s.drafting, s.kept)
+                                                for s, _, cost in fitted])}
+        elif fitted:
+            group["fit_ms"] = mean([1e3 * cost.seconds(s.rows) for s, _, cost in fitted])
         report[kind] = group
     return report
 

@@ -4,9 +4,12 @@ the proposer catches up on deferred bookkeeping.
 
 This bookkeeping is overhead: evaluating the rule again (the last plan stands in between),
 shadow probing and the proposer's catching up share a budget of OVERHEAD_SHARE of the engine's
-step time, so that a speculating engine under a load where speculation does not pay runs within
-a few percent of one that does not speculate. (The time the engine waits for the device is no
-measure of spare host time: a server's event loop writes responses meanwhile.)
+step time; exploring steps (see `Drafter.plan`) take at most 1 / EXPLORE_STEPS of it, less while
+exploring shows nothing that pays: so that a speculating engine under a load where speculation
+does not pay runs within a few percent of one that does not speculate. (The time the engine
+waits for the device is no measure of spare host time: a server's event loop writes responses
+meanwhile.) The budget itself does not back off: it pays for the evaluations that let the rule
+draft again when acceptance recovers, and at low load those are cheap and must come soon.
 """
 
 from __future__ import annotations
@@ -21,16 +24,17 @@ from cupyspec.spec.policy import draft_limits
 from cupyspec.spec.proposer import DraftRequest, Proposer
 from cupyspec.spec.shadow import ShadowProbes
 from cupyspec.spec.stats import SpecStats
-from cupyspec.spec.step_cost import StepCostModel, StepShape
+from cupyspec.spec.step_cost import StepCostModel, StepShape, load_band
 from cupyspec.speculative_config import SpeculativeConfig
 
-OVERHEAD_SHARE = 0.02  # of each step's wall time, for the overhead budget (module docstring)
+OVERHEAD_SHARE = 0.01  # of each step's wall time, for the overhead budget (module docstring)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up
 EXPLORE_STEPS = 32  # cost-aware rule: after this many steps in a row of one kind, one of the other
 # ... but drafting steps run this many times longer in a row while the batch keeps the rows of the
 # last draft-free step the fit took (at one sequence: a draft-free step there would show nothing new)
 SAME_ROWS_STREAK_FACTOR = 8
 EXPLORE_SEQS = 8  # sequences that draft in an exploring step, at most
+MAX_BACKOFF = 8  # exploring slows down at most this many times while it finds nothing that pays (see `plan`)
 SHADOWS_PER_STEP = 4  # sequences given shadow drafts per step, at most, under the cost-aware rule
 PRIOR_DECAY = 0.9  # weight kept by the server-wide evidence at each finished sequence
 # cost-aware rule, until the cost fit is ready: one step in this many explores (under overlap
@@ -60,8 +64,10 @@ class Drafter:
         self._plain_seconds = 0.0  # their wall time
         self._explore_after: float | None = None  # plain seconds after which exploring pays (see `plan`)
         self._exploring_step = False  # the last plan explored (`observe_step` prices it)
-        self._explore_price = 0.0  # seconds the last exploring step added to a draft-free step
+        self._explore_price: dict[int, float] = {}  # per load band: seconds its last exploring step added
         self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
+        self._backoff = 1  # how many times longer than at first the rule waits to explore
+        self._drafted_since_exploring = True  # a step other than an exploring one drafted since the last of those
         # a new sequence's prior: the verified drafts and the proposals of recently finished sequences,
         # summed with decay (each sequence weighs as much as its evidence), with one accepted test and
         # one hit as the prior of the prior
@@ -80,6 +86,8 @@ class Drafter:
         """One engine step's wall time and shape (step_cost.py)."""
         self.step_cost.observe(shape, seconds)
         self.num_steps += 1
+        if shape.drafting and not self._exploring_step:  # drafting pays somewhere: exploring backs off no more
+            self._drafted_since_exploring, self._backoff = True, 1
         if shape.drafting:
             self._drafting_streak += 1
             self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
@@ -90,9 +98,9 @@ class Drafter:
                 self._drafting_streak, self._plain_rows = 0, shape.rows
         if self._exploring_step:
             self._exploring_step = False
-            cost = self.step_cost.fit()
+            cost = self.step_cost.fit(shape.sequences)
             base = 0.0 if cost is None else cost.seconds(shape.rows - shape.draft_rows)
-            self._explore_price = max(0.0, seconds - base)
+            self._explore_price[load_band(shape.sequences)] = max(0.0, seconds - base)
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
@@ -106,10 +114,12 @@ class Drafter:
         one (under overlap scheduling the first is refilled, so two; SAME_ROWS_STREAK_FACTOR times
         as many while the batch has the rows of the last one the fit took), and after as many
         steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
-        acceptance (`_explore`), if what such a step adds is at most 1 / EXPLORE_STEPS of the
-        time since the last drafting step (at a load where drafting steps are dear, exploring waits
+        acceptance (`_explore`), if what such a step adds is at most 1 / (EXPLORE_STEPS * backoff) of
+        the time since the last drafting step (at a load where drafting steps are dear, exploring waits
         longer; the price is the fit's, or what the last exploring step added if more: a first
-        proposal may index a whole prompt, host work the fit caps as an outlier). Without the
+        proposal may index a whole prompt, host work the fit caps as an outlier; the back-off
+        doubles, up to MAX_BACKOFF, each time no step but the exploring ones drafted since the
+        last exploring step, and is 1 again at the first that does). Without the
         second, a cost learned at one load (drafting at concurrency 1 is one sequence drafting and
         one synchronous step at once, which no fit can tell apart) kept speculation off at another
         load where it pays."""
@@ -119,17 +129,20 @@ class Drafter:
                 return {}
             if self._plain_streak >= EXPLORE_STEPS:
                 if self._explore_after is None:  # priced once per run of draft-free steps: it reads the fit
-                    self._explore_after = self._exploring_seconds(min(EXPLORE_SEQS, len(running))) * EXPLORE_STEPS
+                    if not self._drafted_since_exploring:
+                        self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+                    self._explore_after = (self._exploring_seconds(min(EXPLORE_SEQS, len(running)), len(running))
+                                           * EXPLORE_STEPS * self._backoff)
                 if self._plain_seconds >= self._explore_after:
                     self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
-                    self._exploring_step = True
+                    self._exploring_step, self._drafted_since_exploring = True, False
                     return self._explore(running)
             if self._budget <= 0 and self._last_plan is not None:
                 standing, complete = self._standing(running)
                 if complete or self._budget < -OVERHEAD_BUDGET_CAP:
                     return standing
         started = time.perf_counter()
-        cost = self.step_cost.fit() if self.config.cost_aware_backoff else None
+        cost = self.step_cost.fit(len(running)) if self.config.cost_aware_backoff else None
         if cost is None and self.config.cost_aware_backoff:  # until the fit is ready, it needs both kinds
             return {} if self.num_steps % WARM_UP_PERIOD else self._explore(running, self.config)
         limits = draft_limits(running, self.config, cost)
@@ -156,12 +169,12 @@ class Drafter:
                 limits[seq.seq_id] = max(0, min(k, seq.max_total_tokens - seq.num_tokens - 1))
         return limits, complete
 
-    def _exploring_seconds(self, drafting: int) -> float:
-        """What an exploring step of `drafting` sequences adds to a step: the fit's price (0 before
-        it is ready), or what the last one added if more."""
-        cost = self.step_cost.fit()
+    def _exploring_seconds(self, drafting: int, sequences: int) -> float:
+        """What an exploring step of `drafting` sequences adds to a step of `sequences`: the fit's
+        price (0 before it is ready), or what the last one of its load band added if more."""
+        cost = self.step_cost.fit(sequences)
         fitted = 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
-        return max(fitted, self._explore_price)
+        return max(fitted, self._explore_price.get(load_band(sequences), 0.0))
 
     def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig | None = None) -> dict[int, int]:
         """Drafts up to each sequence's limit under the fixed `rule` for the EXPLORE_SEQS sequences

@@ -13,6 +13,12 @@ fit over recent steps:
   hidden behind the device: that shows in `per_drafting_step`. Kept drafts are tokens the host
   processes (detokenizing, stop checks, outputs): without their term, their cost went to the draft
   rows, which are more numerous where acceptance is high, and fewer drafts looked cheaper than they are.
+  What drafting adds depends on the load, beyond these terms: at 128 sequences the host is the
+  bottleneck and a drafting step gives up the overlap of a long host step; at one sequence it
+  gives up little. So this fit is learned apart for each load band (the steps' sequences, up to
+  each bound of LOAD_BANDS, and above): a price learned during a busy spell kept speculation
+  off at one sequence after it, for longer than the exploring steps at one sequence took to
+  outweigh it (seconds of a server's life).
 
 The row slopes (per_row, per_draft_row) are shrunk towards 0 by a ridge too weak to matter where
 rows vary: where they do not (at one sequence nearly every drafting step has the most drafts),
@@ -35,6 +41,7 @@ terms, which keeps it stable over the few dozen steps it remembers.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +54,12 @@ MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
 REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
 RIDGE = 1e-3  # a row slope's penalty, per unit of observation weight (module docstring)
 OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
+LOAD_BANDS = (1, 4, 16, 64)  # upper bounds of the sequences of a load band but the last (module docstring)
+
+
+def load_band(sequences: int) -> int:
+    """The load band of a step of `sequences` sequences: 0 .. len(LOAD_BANDS)."""
+    return bisect.bisect_left(LOAD_BANDS, sequences)
 
 
 class StepShape(NamedTuple):
@@ -58,6 +71,7 @@ class StepShape(NamedTuple):
     drain_seconds: float = 0.0  # its wait for the draft-free step in flight, before drafting
     refilled: bool = False  # a draft-free step launched with no step in flight, under overlap scheduling
     kept: int = 0  # drafts that verification accepted
+    sequences: int = 1  # sequences in the step: its load band
 
 
 @dataclass(frozen=True)
@@ -132,14 +146,14 @@ class _WeightedLeastSquares:
 
 
 class StepCostModel:
-    """The two fits of the module docstring."""
+    """The fits of the module docstring: one of draft-free steps, one of drafting per load band."""
 
     def __init__(self) -> None:
         self._plain = _WeightedLeastSquares(PLAIN_DECAY, (0, 1))  # (1, rows) -> seconds
-        # (1, draft rows, drafting, kept) -> added seconds
-        self._drafting = _WeightedLeastSquares(DRAFTING_DECAY, (0, 1, 0, 0))
-        self._open: tuple[tuple[float, ...], float] | None = None  # the last drafting step's x and added
-        # seconds, until the step after it shows whether it was refilled (module docstring)
+        # per load band: (1, draft rows, drafting, kept) -> added seconds
+        self._drafting = [_WeightedLeastSquares(DRAFTING_DECAY, (0, 1, 0, 0)) for _ in range(len(LOAD_BANDS) + 1)]
+        self._open: tuple[int, tuple[float, ...], float] | None = None  # the last drafting step's load
+        # band, x and added seconds, until the step after it shows whether it was refilled (module docstring)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
@@ -148,11 +162,11 @@ class StepCostModel:
         within its budget): solving it here would cost every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
         if self._open is not None:
-            x, added = self._open
+            band, x, added = self._open
             self._open = None
             if shape.refilled and plain is not None:
                 added += seconds - (plain[0] + plain[1] * shape.rows)
-            self._drafting.observe(x, added)
+            self._drafting[band].observe(x, added)
         if not shape.drafting:
             if not shape.refilled:
                 if plain is not None:
@@ -163,14 +177,17 @@ class StepCostModel:
             return
         base = plain[0] + plain[1] * (shape.rows - shape.draft_rows)
         x = (1.0, shape.draft_rows, shape.drafting, shape.kept)
-        drafting = self._drafting.terms(MIN_DRAFTING_STEPS)
+        band = load_band(shape.sequences)
+        drafting = self._drafting[band].terms(MIN_DRAFTING_STEPS)
         if drafting is not None:
             seconds = min(seconds, OUTLIER_FACTOR * (base + float(np.dot(drafting, x))))
-        self._open = (x, seconds - base)
+        self._open = (band, x, seconds - base)
 
-    def fit(self) -> StepCost | None:
-        """The estimate, or None before MIN_PLAIN_STEPS draft-free and MIN_DRAFTING_STEPS drafting steps."""
-        plain, drafting = self._plain.terms(MIN_PLAIN_STEPS), self._drafting.terms(MIN_DRAFTING_STEPS)
+    def fit(self, sequences: int) -> StepCost | None:
+        """The estimate for steps of `sequences` sequences, or None before MIN_PLAIN_STEPS draft-free
+        steps and MIN_DRAFTING_STEPS drafting ones of their load band."""
+        plain = self._plain.terms(MIN_PLAIN_STEPS)
+        drafting = self._drafting[load_band(sequences)].terms(MIN_DRAFTING_STEPS)
         if plain is None or drafting is None:
             return None
         return StepCost(*plain.tolist(), *drafting.tolist())
