@@ -17,7 +17,8 @@ from cupyspec.spec.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, MAX_BACKOFF, OVE
                                    SAME_ROWS_STREAK_FACTOR, WARM_UP_PERIOD, Drafter)
 from cupyspec.spec.policy import best_drafts, draft_limits
 from cupyspec.spec.proposer import Drafts, Proposer
-from cupyspec.spec.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepCostModel, StepShape
+from cupyspec.spec.step_cost import (MAX_OUTLIER_RUN, MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, REFIT_STEPS, StepCost,
+                                     StepCostModel, StepShape)
 from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
 from tiny_models import tiny_model_paths
 
@@ -405,7 +406,7 @@ def test_while_exploring_finds_nothing_that_pays_it_backs_off():
 
 
 def test_an_exploring_step_that_took_long_makes_the_next_one_wait():
-    """The fit caps a step far slower than it predicts, so it cannot price an exploring step whose
+    """The fit leaves out a step far slower than it predicts, so it cannot price an exploring step whose
     proposals indexed whole prompts: the next one waits for EXPLORE_STEPS times what the last added."""
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), _Constant())
     drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0, per_drafting_seq=1e-6)  # exploring looks cheap
@@ -507,6 +508,27 @@ def test_where_the_host_is_the_bottleneck_drafting_is_charged_its_wait():
     cost = model.fit(200)
     assert cost.per_drafting_step == pytest.approx(2e-4 + 2.5e-4, rel=0.2)  # plus the drain's mean
     assert astuple(cost)[:2] == pytest.approx((1e-3, 4e-6), rel=1e-3)
+
+
+def test_a_burst_of_slow_steps_is_left_out_and_a_lasting_change_is_learned():
+    """Steps that waited while a burst of requests came in (or a kernel compiled) say nothing of
+    what drafting costs: the fit leaves out a few far slower than it predicts. More in a row than
+    MAX_OUTLIER_RUN are a new cost, which it learns."""
+    model = StepCostModel()
+    for _ in range(30):
+        model.observe(StepShape(1), 7e-4)
+        model.observe(StepShape(6, 1, 5), 7e-4 + 1e-4)
+    before = model.fit(1).drafting_seconds(5, 1)
+    for _ in range(MAX_OUTLIER_RUN // 2):
+        model.observe(StepShape(6, 1, 5), 70e-3)  # the steps a burst of requests ran beside
+        model.observe(StepShape(1, refilled=True), 20e-3)
+    for _ in range(REFIT_STEPS):
+        model.observe(StepShape(1), 7e-4)
+    assert model.fit(1).drafting_seconds(5, 1) == pytest.approx(before, rel=1e-2)
+    for _ in range(3 * MAX_OUTLIER_RUN):
+        model.observe(StepShape(6, 1, 5), 7e-4 + 5e-3)  # drafting now adds 5 ms
+        model.observe(StepShape(1), 7e-4)
+    assert model.fit(1).drafting_seconds(5, 1) > 2e-3
 
 
 def test_what_drafting_adds_is_learned_apart_for_each_load():

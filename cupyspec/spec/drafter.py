@@ -117,7 +117,7 @@ class Drafter:
         acceptance (`_explore`), if what such a step adds is at most 1 / (EXPLORE_STEPS * backoff) of
         the time since the last drafting step (at a load where drafting steps are dear, exploring waits
         longer; the price is the fit's, or what the last exploring step added if more: a first
-        proposal may index a whole prompt, host work the fit caps as an outlier; the back-off
+        proposal may index a whole prompt, host work the fit leaves out as an outlier; the back-off
         doubles, up to MAX_BACKOFF, each time no step but the exploring ones drafted since the
         last exploring step, and is 1 again at the first that does). Without the
         second, a cost learned at one load (drafting at concurrency 1 is one sequence drafting and

@@ -53,7 +53,9 @@ MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
 MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
 REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
 RIDGE = 1e-3  # a row slope's penalty, per unit of observation weight (module docstring)
-OUTLIER_FACTOR = 3.0  # once fitted, a step counts as at most this many times its predicted time
+OUTLIER_FACTOR = 3.0  # once fitted, a step slower than this many times its predicted time is an outlier
+MAX_OUTLIER_RUN = 8  # outliers in a row that are left out; past them the cost has changed, and is learned
+PLAIN = -1  # the draft-free fit, beside the drafting fits of the load bands (`StepCostModel._outlier`)
 LOAD_BANDS = (1, 4, 16, 64)  # upper bounds of the sequences of a load band but the last (module docstring)
 
 
@@ -154,23 +156,32 @@ class StepCostModel:
         self._drafting = [_WeightedLeastSquares(DRAFTING_DECAY, (0, 1, 0, 0)) for _ in range(len(LOAD_BANDS) + 1)]
         self._open: tuple[int, tuple[float, ...], float] | None = None  # the last drafting step's load
         # band, x and added seconds, until the step after it shows whether it was refilled (module docstring)
+        self._outlier_runs = [0] * (len(LOAD_BANDS) + 2)  # per fit (PLAIN last): its steps in a row far
+        # slower than predicted (`observe`)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """One step's wall time; a step far slower than predicted (a kernel compiled on first use, a
-        garbage collection) is capped, so that one hiccup does not stop speculation for long. A
-        draft-free step is capped by the fit as last solved (by `fit`, which the back-off rule calls
-        within its budget): solving it here would cost every step."""
+        """One step's wall time. A step far slower than predicted (a kernel compiled on first use, a
+        garbage collection, or a burst of requests tokenized while the step waited for the device)
+        is left out, so that one hiccup does not stop speculation for long; a step after a drafting
+        one that is, takes the drafting one with it. Capping such steps instead let a burst raise
+        the fit, and so the cap, threefold a step: 70 ms a drafting step at one sequence, learned
+        while 64 requests came in, kept speculation off there for good. A draft-free step is judged
+        by the fit as last solved (by `fit`, which the back-off rule calls within its budget):
+        solving it here would cost every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
         if self._open is not None:
             band, x, added = self._open
             self._open = None
-            if shape.refilled and plain is not None:
-                added += seconds - (plain[0] + plain[1] * shape.rows)
+            refill_predicted = None if plain is None else plain[0] + plain[1] * shape.rows
+            if shape.refilled and refill_predicted is not None:
+                if self._outlier(band, seconds, refill_predicted):
+                    return
+                added += seconds - refill_predicted
             self._drafting[band].observe(x, added)
         if not shape.drafting:
             if not shape.refilled:
-                if plain is not None:
-                    seconds = min(seconds, OUTLIER_FACTOR * (plain[0] + plain[1] * shape.rows))
+                if plain is not None and self._outlier(PLAIN, seconds, plain[0] + plain[1] * shape.rows):
+                    return
                 self._plain.observe((1.0, shape.rows), seconds)
             return
         if plain is None:  # nothing to measure drafting against yet
@@ -179,9 +190,19 @@ class StepCostModel:
         x = (1.0, shape.draft_rows, shape.drafting, shape.kept)
         band = load_band(shape.sequences)
         drafting = self._drafting[band].terms(MIN_DRAFTING_STEPS)
-        if drafting is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * (base + float(np.dot(drafting, x))))
+        if drafting is not None and self._outlier(band, seconds, base + float(np.dot(drafting, x))):
+            return
         self._open = (band, x, seconds - base)
+
+    def _outlier(self, fit: int, seconds: float, predicted: float) -> bool:
+        """Whether to leave out a step that took `seconds` against the `predicted` of `fit` (PLAIN or
+        a load band): one slower than OUTLIER_FACTOR times it, unless more than MAX_OUTLIER_RUN
+        steps of that fit in a row were."""
+        if seconds <= OUTLIER_FACTOR * predicted:
+            self._outlier_runs[fit] = 0
+            return False
+        self._outlier_runs[fit] += 1
+        return self._outlier_runs[fit] <= MAX_OUTLIER_RUN
 
     def fit(self, sequences: int) -> StepCost | None:
         """The estimate for steps of `sequences` sequences, or None before MIN_PLAIN_STEPS draft-free
