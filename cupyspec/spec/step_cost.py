@@ -169,22 +169,22 @@ class StepCostModel:
         by the fit as last solved (by `fit`, which the back-off rule calls within its budget):
         solving it here would cost every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
+        if plain is None:  # nothing to measure against yet: only draft-free steps are taken
+            if not shape.drafting and not shape.refilled:
+                self._plain.observe((1.0, shape.rows), seconds)
+            return
+        plain_seconds = plain[0] + plain[1] * shape.rows  # a draft-free step of these rows
         if self._open is not None:
             band, x, added = self._open
             self._open = None
-            refill_predicted = None if plain is None else plain[0] + plain[1] * shape.rows
-            if shape.refilled and refill_predicted is not None:
-                if self._outlier(band, seconds, refill_predicted):
+            if shape.refilled:
+                if self._outlier(band, seconds, plain_seconds):
                     return
-                added += seconds - refill_predicted
+                added += seconds - plain_seconds
             self._drafting[band].observe(x, added)
         if not shape.drafting:
-            if not shape.refilled:
-                if plain is not None and self._outlier(PLAIN, seconds, plain[0] + plain[1] * shape.rows):
-                    return
+            if not shape.refilled and not self._outlier(PLAIN, seconds, plain_seconds):
                 self._plain.observe((1.0, shape.rows), seconds)
-            return
-        if plain is None:  # nothing to measure drafting against yet
             return
         base = plain[0] + plain[1] * (shape.rows - shape.draft_rows)
         x = (1.0, shape.draft_rows, shape.drafting, shape.kept)
