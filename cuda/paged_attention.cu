@@ -117,8 +117,9 @@ __device__ __forceinline__ void attend(
                         (pos & ((1 << log2_block_size) - 1));
     return (slot * num_kv_heads + kv_head) * head_dim + dim;
   };
+  auto partition_len = [&](int p) { return min(PARTITION, last + 1 - p * PARTITION); };  // positions of partition p
   auto stage = [&](int p) {  // partition p's KV blocks into blocks_s; split, its K/V rows into L2 at once
-    const int start = p * PARTITION, len = min(PARTITION, last + 1 - start);
+    const int start = p * PARTITION, len = partition_len(p);
     const int first_block = start >> log2_block_size;
     for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += NUM_THREADS)
       blocks_s[i] = table[first_block + i];
@@ -149,7 +150,7 @@ __device__ __forceinline__ void attend(
 
   for (int p = p_begin; p < p_end; ++p) {
     if (p != p_begin) stage(p);
-    const int len = min(PARTITION, last + 1 - p * PARTITION);
+    const int len = partition_len(p);
 
     float m[HEADS], l[HEADS], acc[HEADS][8];  // this lane group's online softmax, base 2
 #pragma unroll

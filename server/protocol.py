@@ -154,13 +154,15 @@ class CompletionChunk(msgspec.Struct, omit_defaults=True):
     speculate_metrics: SpeculateMetricsInfo | None = None  # only on the stream's last chunk
 
 
-class TopLogprob(msgspec.Struct):
+# One of each per emitted token and top alternative: gc=False makes them cheaper to create, and
+# they hold no reference cycles (strings, floats and the shared byte lists of TokenText).
+class TopLogprob(msgspec.Struct, gc=False):
     token: str
     logprob: float
     bytes: list[int]
 
 
-class ChatTokenLogprob(msgspec.Struct):
+class ChatTokenLogprob(msgspec.Struct, gc=False):
     token: str
     logprob: float
     bytes: list[int]

@@ -1,5 +1,5 @@
-"""accept_runs: each request's run of accepted drafts; the twin against a per-request loop, and
-the CUDA kernel against the twin."""
+"""accept_runs and accept_matching_runs: each request's run of accepted drafts; the twins against a
+per-request loop, and the CUDA kernels against the twins."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyspec.spec.accept_runs import accept_runs
+from cupyspec.spec.accept_runs import accept_matching_runs, accept_runs
 
 
 def make_case(rng: np.random.Generator, batch: int, max_drafts: int) -> dict[str, np.ndarray]:
@@ -54,3 +54,33 @@ def test_kernel_matches_twin(batch: int, max_drafts: int) -> None:
     cupy = pytest.importorskip("cupy")
     case = make_case(np.random.default_rng(batch + 1), batch, max_drafts)
     np.testing.assert_array_equal(run(cupy, case), run(np, case))
+
+
+def matching_case(rng: np.random.Generator, batch: int, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(emit_at [R], drafts_then_bounds [R + B + 1]) where most drafts match their row's token."""
+    case = make_case(rng, batch, max_drafts)
+    emit_at = rng.integers(0, 4, len(case["emit_at"]))  # few distinct tokens: drafts match often
+    row_draft = np.where(case["passed"], emit_at, emit_at + 1)  # [R] bonus rows hold anything
+    return emit_at, np.concatenate([row_draft, case["first_row"]]).astype(np.int64)
+
+
+def run_matching(xp: Any, emit_at: np.ndarray, drafts_then_bounds: np.ndarray) -> np.ndarray:
+    out = accept_matching_runs(xp, xp.asarray(emit_at), xp.asarray(drafts_then_bounds))
+    return out if xp is np else out.get()
+
+
+@pytest.mark.parametrize("batch,max_drafts", [(0, 3), (1, 0), (1, 5), (7, 8), (300, 5)])
+def test_matching_runs_are_the_runs_of_drafts_equal_to_their_rows_token(batch: int, max_drafts: int) -> None:
+    emit_at, packed = matching_case(np.random.default_rng(batch + 7), batch, max_drafts)
+    rows = len(emit_at)
+    passed = packed[:rows] == emit_at
+    expected = reference({"passed": passed, "emit_at": emit_at, "first_row": packed[rows:]})
+    np.testing.assert_array_equal(run_matching(np, emit_at, packed), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_drafts", [(1, 0), (1, 8), (129, 5), (300, 8)])
+def test_matching_kernel_matches_twin(batch: int, max_drafts: int) -> None:
+    cupy = pytest.importorskip("cupy")
+    emit_at, packed = matching_case(np.random.default_rng(batch + 3), batch, max_drafts)
+    np.testing.assert_array_equal(run_matching(cupy, emit_at, packed), run_matching(np, emit_at, packed))

@@ -116,6 +116,7 @@ def test_chat_benchmark_counts_latencies_and_result_file(tmp_path: Path) -> None
         p50, p90, p99 = (summary[f"p{q}_{name}_ms"] for q in (50, 90, 99))
         assert 0 < p50 <= p90 <= p99
     assert summary["p50_ttft_ms"] >= 4.0  # the fake sleeps 4 ms before each chunk
+    assert 0 < summary["client_cpu_share"] < 1  # the fake, in this process, mostly sleeps
     assert saved["config"]["model"] == "fake-model"
     assert saved["config"]["dataset"]["name"] == "random"
     body = fake.bodies[0]

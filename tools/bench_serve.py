@@ -252,7 +252,8 @@ def speculation_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
     return stats
 
 
-def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
+def summarize(records: Sequence[RequestRecord], duration: float, client_cpu_seconds: float) -> dict[str, Any]:
+    """client_cpu_seconds: this process's CPU time over the run; near `duration`, the client bounds the figures."""
     ok = [r for r in records if r.success]
     input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -261,6 +262,7 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, An
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "client_cpu_share": client_cpu_seconds / duration,
     }
     summary |= latency_stats("ttft", [r.ttft for r in ok])
     summary |= latency_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1])
@@ -294,10 +296,10 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
             if failed:
                 print(f"warning: {len(failed)} of {config.warmup} warm-up requests failed: {failed[0]}",
                       file=sys.stderr)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         records = await run_requests(session, config, model, prompts, Progress(len(prompts), config.progress))
-        duration = time.perf_counter() - start
-    summary = summarize(records, duration)
+        duration, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    summary = summarize(records, duration, cpu_seconds)
     print(format_summary(summary))
     rate = config.request_rate if math.isfinite(config.request_rate) else "inf"  # JSON has no infinity
     result = {"config": asdict(config) | {"model": model, "request_rate": rate}, "summary": summary,

@@ -1,7 +1,7 @@
 """CUDA graphs of the forward pass and the logits, one per token-count bucket, captured once.
 
 A step of T rows runs as the graph of the smallest bucket of at least T rows. Its inputs go into
-static device buffers in two asynchronous copies from pinned host memory (two sets, used in turn:
+one static device buffer in one asynchronous copy from pinned host memory (two of them, used in turn:
 with overlap scheduling the host stages step N+1 while the copies of step N may still be queued,
 and it has waited for step N-1 by then); rows T.. of the bucket
 are padding (token 0 at position 0, written to the KV cache's scratch block, which no request
@@ -53,18 +53,22 @@ class CudaGraphs:
         rows = self.buckets[-1]
         width = -(-max_model_len // kv.block_size)  # block-table columns: the longest sequence's blocks
         self.padding_row = rows  # the block-table row of padding tokens: all scratch blocks
-        self.host_tokens = [cupyx.empty_pinned((TOKEN_FIELDS, rows), np.int32) for _ in range(2)]  # [4, rows] each
-        self.host_tables = [cupyx.empty_pinned((rows + 1, width), np.int32) for _ in range(2)]  # [rows + 1, width]
-        self._turn = 0  # the set of pinned buffers the next step stages its inputs in
-        self.tokens = cupy.zeros((TOKEN_FIELDS, rows), np.int32)  # [4, rows] on the device
-        self.tables = cupy.zeros((rows + 1, width), np.int32)  # [rows + 1, width] on the device
+        # the inputs: the token fields [4, rows], then the block tables [rows + 1, width], flat
+        self.tokens_size, self.width = TOKEN_FIELDS * rows, width
+        size = self.tokens_size + (rows + 1) * width
+        self.host_inputs = [cupyx.empty_pinned(size, np.int32) for _ in range(2)]
+        self.host_views = [self._split(host) for host in self.host_inputs]  # (token fields, tables) of each
+        self._turn = 0  # the pinned buffer the next step stages its inputs in
+        self.inputs = cupy.zeros(size, np.int32)
+        self.tokens, self.tables = self._split(self.inputs)  # [4, rows], [rows + 1, width] on the device
         self.tables[self.padding_row] = kv.scratch_block
         self.logits = cupy.empty((rows, model.config.vocab_size), np.float32)  # [rows, V]
         self.pool = cupy.cuda.MemoryPool()  # the graphs' own activations, never handed to eager code
         self.graphs: dict[int, Any] = {}
         with cupy.cuda.using_allocator(self.pool.malloc), stream:
-            self._pad(self.host_tokens[0], 0, rows)
-            self.tokens.set(self.host_tokens[0], stream=stream)
+            staged, _ = self.host_views[0]
+            self._pad(staged, 0, rows)
+            self.tokens.set(staged, stream=stream)
             for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its memory
                 self._forward(bucket)  # warm-up: compiles kernels, fills the pool outside capture
                 stream.begin_capture()
@@ -81,6 +85,11 @@ class CudaGraphs:
         batch = DeviceBatch(ids, positions, batch_ids, slots, self.tables, self.previous_tokens)
         self.model.compute_logits(self.model.forward(batch, self.kv), out=self.logits[:bucket])
 
+    def _split(self, inputs: Any) -> tuple[Any, Any]:
+        """Views of a flat inputs buffer: the token fields [4, rows] and the block tables [rows + 1, width]."""
+        tables = inputs[self.tokens_size:]
+        return inputs[:self.tokens_size].reshape(TOKEN_FIELDS, -1), tables.reshape(-1, self.width)
+
     def _pad(self, staged: np.ndarray, start: int, stop: int) -> None:
         """Rows start..stop of the staged tokens [4, rows] become padding."""
         ids, positions, batch_ids, slots = staged[:, start:stop]
@@ -96,7 +105,7 @@ class CudaGraphs:
         if index == len(self.buckets) or batch.block_tables.shape[1] > self.tables.shape[1]:
             return None
         bucket = self.buckets[index]
-        staged, tables = self.host_tokens[self._turn], self.host_tables[self._turn]
+        host, (staged, tables) = self.host_inputs[self._turn], self.host_views[self._turn]
         self._turn ^= 1
         staged[0, :num_tokens] = batch.input_ids
         staged[1, :num_tokens] = batch.positions
@@ -104,7 +113,7 @@ class CudaGraphs:
         staged[3, :num_tokens] = batch.slot_mapping
         self._pad(staged, num_tokens, bucket)
         tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
-        self.tokens.set(staged, stream=self.stream)
-        self.tables[:num_seqs].set(tables[:num_seqs], stream=self.stream)
+        end = self.tokens_size + num_seqs * self.width  # the token fields and the batch's block tables
+        self.inputs[:end].set(host[:end], stream=self.stream)
         self.graphs[bucket].launch(self.stream)
         return self.logits[:num_tokens]

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from cupyspec.sampling.argmax import argmax_rows
-from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.spec.accept_runs import accept_runs
+from cupyspec.sampling.sampler import SamplingRow, drawn_rows, penalized_logits
+from cupyspec.spec.accept_runs import accept_matching_runs, accept_runs
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
 from cupyspec.transfer import fetch_arrays
@@ -146,28 +146,30 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
     if target_logits.ndim != 2 or target_logits.shape[0] != num_rows:
         raise ValueError(f"target_logits must have shape [R={num_rows}, V], got {target_logits.shape}")
     vocab = target_logits.shape[1]
-    layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
-    if layout.tokens.size and (layout.tokens.min() < 0 or layout.tokens.max() >= vocab):
+    drafts = inp.draft_token_ids[np.arange(k) < inp.num_drafts[:, None]]  # [D]
+    if drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
         raise ValueError(f"draft_token_ids holds a draft outside the vocabulary [0, {vocab})")
     if inp.draft_probs is not None and tuple(inp.draft_probs.shape) != (batch, k, vocab):
         raise ValueError(f"draft_probs must have shape [B={batch}, K={k}, V={vocab}], got {inp.draft_probs.shape}")
     if batch == 0:
         return DeviceVerdict(xp.zeros((2, 0), xp.int64))
 
-    target = score_rows(xp, target_logits.astype(xp.float32, copy=False), inp.rows, layout)
+    logits = target_logits.astype(xp.float32, copy=False)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)])  # [B+1] bounds of each request's rows
+    if accept_policy == "normal" and drafts.size and not drawn_rows(inp.rows).size:
+        # no row draws: under every strategy a draft passes iff it is its row's argmax
+        tokens = argmax_rows(xp, penalized_logits(xp, logits, inp.rows))  # [R]
+        padded = np.concatenate([inp.draft_token_ids, np.zeros((batch, 1), np.int64)], axis=1)  # [B, K+1]
+        row_draft = padded[np.arange(k + 1) <= inp.num_drafts[:, None]]  # [R] the draft each row scores (bonus: any)
+        uploaded = xp.asarray(np.concatenate([row_draft, first_row]).astype(np.int64, copy=False))  # one copy
+        return DeviceVerdict(accept_matching_runs(xp, tokens, uploaded))
+    layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
+    target = score_rows(xp, logits, inp.rows, layout)
     if accept_policy != "normal" or not layout.rows.size:
         num_accepted = inp.num_drafts if accept_policy == "accept_all" else np.zeros(batch, np.int64)
         emitted = target.tokens[xp.asarray(first_row[:-1] + num_accepted)]  # [B]
         return DeviceVerdict(xp.stack([xp.asarray(num_accepted), emitted.astype(xp.int64)]))
 
-    if target.ranked is None:  # no row draws: under every strategy a draft passes iff it is its row's argmax
-        host = np.full(num_rows + batch + 1, PLACEHOLDER_TOKEN_ID, dtype=np.int64)  # [R + B + 1]
-        host[layout.rows] = layout.tokens  # each row's draft (the placeholder on bonus rows) ...
-        host[num_rows:] = first_row  # ... then first_row: one copy to the device
-        uploaded = xp.asarray(host)
-        row_draft, bounds = uploaded[:num_rows], uploaded[num_rows:]
-        return DeviceVerdict(accept_runs(xp, target.tokens == row_draft, target.tokens, bounds))
     accepted, residual_pick = _accepted(xp, strategy, target, layout, inp)  # [D], [D] or None
     passed = xp.zeros(num_rows, dtype=bool)  # [R]
     passed[xp.asarray(layout.rows)] = accepted

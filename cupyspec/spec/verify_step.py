@@ -112,6 +112,8 @@ def _top(ids: list[list[int]], lps: list[list[float]], k: int) -> list[tuple[tup
 def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
                     top_k: tuple[int | None, ...]) -> tuple[tuple[TokenLogprob, ...] | None, ...]:
     """Per request [B], its emitted tokens' logprobs (None where not asked)."""
+    if not wants.any():
+        return (None,) * len(wants)
     cu = host.cu_batch_token_offset.tolist()
     ids, lps = host.token_ids.tolist(), host.token_lps.tolist()
     top_ids, top_lps = host.token_top_ids.tolist(), host.token_top_lps.tolist()
@@ -126,6 +128,8 @@ def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
 def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: np.ndarray,
                     top_k: tuple[int | None, ...]) -> tuple[tuple[DraftLogprob, ...] | None, ...]:
     """Per request [B], its proposed drafts' logprobs and verdicts (None where not asked)."""
+    if not wants.any():
+        return (None,) * len(wants)
     offsets, num_drafts, num_accepted = layout.draft_offset.tolist(), inp.num_drafts.tolist(), host.runs[0].tolist()
     lps, top_ids, top_lps = host.draft_lps.tolist(), host.draft_top_ids.tolist(), host.draft_top_lps.tolist()
     out: list[tuple[DraftLogprob, ...] | None] = []
