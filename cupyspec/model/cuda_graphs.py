@@ -87,8 +87,8 @@ class CudaGraphs:
 
     def _split(self, inputs: Any) -> tuple[Any, Any]:
         """Views of a flat inputs buffer: the token fields [4, rows] and the block tables [rows + 1, width]."""
-        tables = inputs[self.tokens_size:]
-        return inputs[:self.tokens_size].reshape(TOKEN_FIELDS, -1), tables.reshape(-1, self.width)
+        return (inputs[:self.tokens_size].reshape(TOKEN_FIELDS, -1),
+                inputs[self.tokens_size:].reshape(-1, self.width))
 
     def _pad(self, staged: np.ndarray, start: int, stop: int) -> None:
         """Rows start..stop of the staged tokens [4, rows] become padding."""
