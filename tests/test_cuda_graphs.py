@@ -1,6 +1,6 @@
 """CUDA graphs on the GPU: a replayed step gives the eager step's logits bit for bit, and the engine
-gives the same greedy outputs with graphs as without, with and without speculation, and with
-overlap scheduling as without."""
+gives the same greedy outputs with graphs as without, with and without speculation; with overlap
+scheduling and speculation, the outputs of a step at a time up to near-ties."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from cupyspec.config import EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.cuda_graphs import BUCKETS
 from cupyspec.model.linear import GEMV_MAX_ROWS
+from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.speculative_config import SpeculativeConfig
 from golden import GOLDEN_PROMPTS
@@ -67,18 +68,21 @@ def test_replayed_step_gives_the_eager_logits(model_and_graphs, parts: list[tupl
     np.testing.assert_array_equal(replayed, eager)
 
 
-async def _greedy_tokens(model_path: str, cuda_graphs: bool, method: str | None,
-                         overlap_scheduling: bool = True) -> list[list[int]]:
+async def _greedy_answers(model_path: str, cuda_graphs: bool, method: str | None, overlap_scheduling: bool = True,
+                          logprobs: int | None = None) -> list[tuple[list[int], list[TokenLogprob]]]:
+    """Each prompt's greedy tokens, and their logprobs with `logprobs` alternatives when asked."""
     speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0, cost_aware_backoff=False)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
                                                    speculative=speculative, overlap_scheduling=overlap_scheduling))
-    params = SamplingParams(temperature=0.0, max_tokens=96)
+    params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=logprobs)
 
-    async def answer(prompt: str) -> list[int]:
+    async def answer(prompt: str) -> tuple[list[int], list[TokenLogprob]]:
         tokens: list[int] = []
+        entries: list[TokenLogprob] = []
         async for out in engine.chat([{"role": "user", "content": prompt}], params):
             tokens += [t for d in out.deltas for t in d.token_ids]
-        return tokens
+            entries += [e for d in out.deltas for e in d.logprobs or ()]
+        return tokens, entries
 
     prompts = [p for p, _ in GOLDEN_PROMPTS] + ["Repeat this list exactly: " + ", ".join(map(str, range(40)))]
     try:
@@ -90,14 +94,36 @@ async def _greedy_tokens(model_path: str, cuda_graphs: bool, method: str | None,
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", [None, "ngram"])
 def test_greedy_outputs_with_cuda_graphs_equal_eager(default_model_path, method: str | None) -> None:
-    eager = asyncio.run(_greedy_tokens(default_model_path, False, method))
-    graphed = asyncio.run(_greedy_tokens(default_model_path, True, method))
+    eager = asyncio.run(_greedy_answers(default_model_path, False, method))
+    graphed = asyncio.run(_greedy_answers(default_model_path, True, method))
     assert graphed == eager
+
+
+# Two logprobs closer than this (nats) are a near-tie: a row's logits differ in the last bits between
+# the gemv kernels (steps of up to GEMV_MAX_ROWS rows) and the tiles (larger steps), which can pick
+# either token of such a pair.
+NEAR_TIE = 0.1
+
+
+def assert_equal_up_to_near_ties(got: list[list[int]], want: list[tuple[list[int], list[TokenLogprob]]]) -> None:
+    """Each answer in `got` equals its reference in `want` or leaves it where the reference's token and
+    the one taken instead are a near-tie (the two most likely tokens there, from the reference's logprobs)."""
+    for tokens, (reference, entries) in zip(got, want, strict=True):
+        if tokens == reference:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+        assert at < min(len(tokens), len(reference)), "one answer ends where the other goes on"
+        top = dict(entries[at].top)
+        taken = top.get(tokens[at])
+        assert taken is not None and entries[at].logprob - taken < NEAR_TIE, (
+            f"token {at}: {tokens[at]} instead of {reference[at]} ({entries[at].logprob:.4f}; top {top})")
 
 
 @pytest.mark.gpu
 def test_greedy_outputs_with_overlap_scheduling_equal_a_step_at_a_time(default_model_path) -> None:
-    """Plain decoding overlaps every step; ngram overlaps the steps in which nobody drafts."""
-    one_at_a_time = asyncio.run(_greedy_tokens(default_model_path, True, None, overlap_scheduling=False))
+    """Plain decoding overlaps every step; ngram overlaps the steps in which nobody drafts. Its verify
+    steps compute a row in a larger step than plain decoding does, hence the near-ties (DESIGN.md)."""
+    one_at_a_time = asyncio.run(_greedy_answers(default_model_path, True, None, overlap_scheduling=False, logprobs=2))
     for method in (None, "ngram"):
-        assert asyncio.run(_greedy_tokens(default_model_path, True, method)) == one_at_a_time, method
+        answers = asyncio.run(_greedy_answers(default_model_path, True, method))
+        assert_equal_up_to_near_ties([tokens for tokens, _ in answers], one_at_a_time)
