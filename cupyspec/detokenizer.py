@@ -71,6 +71,11 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def may_end_within(self, token_ids: Sequence[int]) -> bool:
+        """Whether these next tokens end the sequence by a stop token or its length (stop strings aside)."""
+        return (self.num_output_tokens + len(token_ids) >= self._max_output_tokens
+                or not self._ends.isdisjoint(token_ids))
+
     def add(self, token_ids: Sequence[int]) -> DetokenizedDelta:
         """Process new tokens in order, stopping at the first stop condition."""
         if self.finish_reason is not None:

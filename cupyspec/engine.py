@@ -78,6 +78,13 @@ class _InFlight(NamedTuple):
     launched: LaunchedStep
 
 
+class _Collected(NamedTuple):
+    """A step's outputs, and the batch it was formed from."""
+
+    sched: SchedulerOutput
+    outputs: list[SeqStepOutput]
+
+
 class AsyncEngine:
     """Embed in any asyncio program:
 
@@ -117,6 +124,7 @@ class AsyncEngine:
         self._closed = False
         self._loop_task: asyncio.Task | None = None
         self._in_flight: _InFlight | None = None  # a launched step whose tokens the host has not seen yet
+        self._placed: _Collected | None = None  # a step whose tokens its sequences took, not yet delivered
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.model_name, backend.device, num_blocks, block_size, self.max_model_len)
 
@@ -240,11 +248,15 @@ class AsyncEngine:
     async def _run_loop(self) -> None:
         """Schedule, run, process; with overlap scheduling, step N+1 is formed and launched before the
         host sees the tokens of step N, which the device feeds to it (runner.py). A step that drafts
-        first waits for the step in flight: the proposers read every token on the host."""
+        first waits for the step in flight: the proposers read every token on the host. A step whose
+        tokens the host has waited for gives them to its sequences at once, and is detokenized and
+        delivered once the next step is launched (`_placed`)."""
         steps = InlineSteps() if self.backend.is_cuda else StepThread("cupyspec-step")
         mark = time.perf_counter()  # when the last step was launched (or the loop woke up)
         try:
             while True:
+                if self._aborts:
+                    self._deliver_placed()
                 while self._aborts:
                     self.outputs.abort(self._aborts.pop())
                 overlap = self._can_overlap()
@@ -259,15 +271,14 @@ class AsyncEngine:
                     continue
                 limits = self.drafter.plan(self.scheduler.running) if self.drafter is not None else {}
                 asking = sum(1 for k in limits.values() if k)
-                drain_seconds = 0.0
                 if asking and self._in_flight is not None:  # drafts need its tokens; the plan stands
-                    drain_started = time.perf_counter()
                     await self._finish_in_flight(steps)
-                    drain_seconds = time.perf_counter() - drain_started
                     overlap = self._can_overlap()  # requests may have come meanwhile
                 if self.drafter is not None:
                     self.drafter.propose(self.scheduler.running, limits)
                 sched = self.scheduler.schedule()
+                if sched.finished or not sched.scheduled:
+                    self._deliver_placed()
                 self.outputs.finish_ended_by_scheduler(sched.finished)
                 if not sched.scheduled:
                     if self._in_flight is None:
@@ -276,28 +287,35 @@ class AsyncEngine:
                         await self._finish_in_flight(steps)
                     continue
                 inputs = self.runner.prepare(sched)
-                refilled, kept = False, 0
-                if overlap and not inputs.num_drafts.any():
-                    previous = self._in_flight
-                    refilled = previous is None
-                    launched = await steps.run(self.runner.launch, inputs)
-                    outputs = None if previous is None else await self._collect(steps, previous.launched)
-                    self.scheduler.on_launched(sched)
+                overlapped = overlap and not inputs.num_drafts.any()
+                previous = self._in_flight
+                launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
+                self.scheduler.on_launched(sched)
+                if overlapped:
                     self.outputs.hold_places(sched, inputs.owners)
+                self._deliver_placed()  # meanwhile, the outputs of the step before
+                launched = await launching
+                refilled, kept = False, 0
+                if overlapped:
+                    refilled = previous is None
                     if previous is not None:
-                        self.outputs.process_step(previous.sched, outputs, held=True)
+                        self._process_held(previous, await self._collect(steps, previous.launched))
                     self._in_flight = _InFlight(sched, launched)
                 else:
-                    step_outputs = await self._collect(steps, await steps.run(self.runner.launch, inputs))
-                    self.scheduler.on_launched(sched)
-                    self.outputs.process_step(sched, step_outputs)
+                    step_outputs = await self._collect(steps, launched)
+                    placed = self.outputs.place_tokens(sched, step_outputs)
+                    if not placed:
+                        self.outputs.process_step(sched, step_outputs)
+                    self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in step_outputs])
+                    if placed:
+                        self._placed = _Collected(sched, step_outputs)
                     if inputs.num_drafts.any():
                         kept = sum(map(sum, (out.accepted for out in step_outputs)))
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), drain_seconds, refilled,
-                                      kept, len(sched.scheduled))
+                    shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), refilled, kept,
+                                      len(sched.scheduled))
                     self.drafter.observe_step(shape, now - mark)
                     mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
@@ -310,7 +328,18 @@ class AsyncEngine:
     async def _finish_in_flight(self, steps: InlineSteps | StepThread) -> None:
         """Wait for the step in flight, then process its tokens."""
         in_flight, self._in_flight = self._in_flight, None
-        self.outputs.process_step(in_flight.sched, await self._collect(steps, in_flight.launched), held=True)
+        self._process_held(in_flight, await self._collect(steps, in_flight.launched))
+
+    def _process_held(self, in_flight: _InFlight, outputs: list[SeqStepOutput]) -> None:
+        """An overlapped step's tokens into the places held for them; then the scheduler's books."""
+        self.outputs.process_step(in_flight.sched, outputs, placed=True)
+        self.scheduler.update_after_step(in_flight.sched)
+
+    def _deliver_placed(self) -> None:
+        """Detokenize, stop and deliver the step whose tokens its sequences took before (`place_tokens`)."""
+        if self._placed is not None:
+            placed, self._placed = self._placed, None
+            self.outputs.process_step(placed.sched, placed.outputs, placed=True)
 
     async def _collect(self, steps: InlineSteps | StepThread, launched: LaunchedStep) -> list[SeqStepOutput]:
         """A launched step's outputs, once the device has them on the host."""

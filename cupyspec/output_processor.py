@@ -108,9 +108,24 @@ class OutputProcessor:
         """Append to each sampling sequence of a launched plain step the placeholder ~s of its token,
         which is still on the device: s indexes the step's sampling sequences, whose scheduled indices
         are `owners` (StepInputs.owners, the order of the runner's `sampled_tokens`).
-        process_step(held=True) puts the token there."""
+        process_step(placed=True) puts the token there."""
         for s, i in enumerate(owners):
             sched.scheduled[i].seq.output_token_ids.append(~s)
+
+    def place_tokens(self, sched: SchedulerOutput, outputs: list[SeqStepOutput]) -> bool:
+        """Append each sequence's emitted tokens ahead of process_step(placed=True), which detokenizes
+        them, cuts them at a stop string and delivers them: so that the next step can be formed and
+        launched first. Not when a stop token or the length limit ends a sequence in this step (the
+        next step would carry it for nothing): then it places nothing and returns False."""
+        pairs = [(item.seq, out.token_ids) for item, out in zip(sched.scheduled, outputs)
+                 if out.token_ids and not item.seq.is_finished and item.seq.request_id in self.requests]
+        for seq, token_ids in pairs:
+            if self.requests[seq.request_id].detokenizers[seq.choice_index].may_end_within(token_ids):
+                return False
+        for seq, token_ids in pairs:
+            seq.output_token_ids.extend(token_ids)
+            seq.num_placed_tokens = len(token_ids)
+        return True
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -137,10 +152,11 @@ class OutputProcessor:
         self.requests.clear()
         self.num_penalized = 0
 
-    def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput], held: bool = False) -> None:
-        """Append the emitted tokens, stop where a stop condition says, then advance the scheduler.
+    def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput], placed: bool = False) -> None:
+        """Append the emitted tokens, stop where a stop condition says, and deliver what is due.
 
-        held: the step's tokens go into the places `hold_places` appended for them.
+        placed: the step's tokens, or the placeholders `hold_places` appended for them, are in the
+        sequences' outputs already (`place_tokens`); a stop cuts them there.
         """
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -156,10 +172,9 @@ class OutputProcessor:
                 request.prompt_logprobs[position] = lp
             if out.token_ids:
                 num_generated += self._append(request, seq, out, item.num_computed_before >= seq.num_prompt_tokens, now,
-                                              item.num_tokens_before - seq.num_prompt_tokens if held else None)
+                                              item.num_tokens_before - seq.num_prompt_tokens if placed else None)
                 touched[seq.request_id] = request
         self.metrics.on_generation_tokens(num_generated)
-        self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in outputs])
         for request in touched.values():
             if request.due(self.stream_interval):
                 self._emit(request)
@@ -167,13 +182,14 @@ class OutputProcessor:
     def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float,
                 place: int | None) -> int:
         """Add a step's tokens to a choice, up to a stop; the number kept. place: the index in its
-        output tokens of the placeholder held for the (one) token, or None to append."""
+        output tokens where the step's tokens (or their placeholders) were put, or None to append."""
         delta = request.detokenizers[seq.choice_index].add(out.token_ids)
         kept = out.token_ids[:delta.num_tokens_accepted]  # a stop inside an accepted run cuts it
         if place is None:
             seq.output_token_ids.extend(kept)
-        elif kept:
-            seq.output_token_ids[place] = kept[0]
+        else:
+            seq.output_token_ids[place:place + len(out.token_ids)] = kept
+            seq.num_placed_tokens = 0
         if is_decode and request.speculative:
             seq.spec.record(out.accepted, len(kept))
         request.num_output_tokens += len(kept)

@@ -124,7 +124,7 @@ class Scheduler:
             item = self._try_schedule(seq, budget)
             while item is None:
                 if len(self.running) == 1:  # alone and still short: the pool cannot hold it
-                    if not seq.awaits_token:  # (else it ends once its last token is in)
+                    if not (seq.awaits_token or seq.num_placed_tokens):  # (else it ends once they are in)
                         self.finish(seq, "length")
                         finished.append(seq)
                     break

@@ -40,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     max_drafts: int = 0  # this choice's cap on draft tokens per step (0: no speculation)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
+    num_placed_tokens: int = 0  # its last output tokens, taken ahead of their delivery (OutputProcessor.place_tokens)
     spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -1,7 +1,8 @@
 """Where the engine's model steps run: on the event loop itself (a GPU), or on a thread of their own (the CPU).
 
-Both run calls in order and await the same way: `await steps.run(fn, *args)`, and
-`await steps.until(ready)` before a call that would wait for the device.
+Both run calls in order and await the same way: `steps.run(fn, *args)` starts the call and returns
+a future of its result, and `await steps.until(ready)` comes before a call that would wait for the
+device.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ class InlineSteps:
     finds its results on the host. Handing each call to a thread would cost two thread switches
     (some 100-250 µs a step on the device's host), as much as the host work of a small step."""
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return fn(*args)
+    @staticmethod
+    def run(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` now; its result as a done future."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(fn(*args))
+        return future
 
     @staticmethod
     async def until(ready: Callable[[], bool]) -> None:

@@ -189,3 +189,17 @@ def test_output_equals_whole_decode_for_any_split() -> None:
 def test_bad_max_output_tokens() -> None:
     with pytest.raises(ValueError, match="max_output_tokens"):
         make(FakeTokenizer(), max_output_tokens=0)
+
+
+def test_may_end_within_names_the_tokens_that_end_a_sequence_without_decoding_them():
+    """Stop tokens, eos (unless ignored) and the length limit end a sequence whatever the text;
+    `may_end_within` tells them without changing the detokenizer, and `add` then ends there."""
+    tok = FakeTokenizer()
+    a, b, stop = tok.ids("a", "b", "!")
+    detok = make(tok, max_output_tokens=5, stop_token_ids=(stop,))
+    assert not detok.may_end_within([a, b, a])
+    assert detok.may_end_within([a, EOS]) and detok.may_end_within([stop])
+    assert not make(tok, ignore_eos=True).may_end_within([a, EOS])
+    detok.add([a, b, a])
+    assert not detok.may_end_within([b]) and detok.may_end_within([b, a])  # the fifth token is the last
+    assert detok.add([b, a]).finish_reason == "length"

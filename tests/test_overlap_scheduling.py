@@ -143,8 +143,7 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
 
 
 def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
-    """Drafting steps after draft-free ones wait for the step in flight (the drain is reported apart);
-    the draft-free step after a drafting one has no step in flight (refilled); draft rows are the
+    """The draft-free step after a drafting one has no step in flight (refilled); draft rows are the
     drafts the runner verified, kept drafts the ones it accepted; sequences those the step ran."""
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
@@ -162,11 +161,9 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
     shapes, verified, accepted = asyncio.run(main())
     assert sum(s.draft_rows for s in shapes) == verified > 0
     assert sum(s.kept for s in shapes) == accepted > 0
-    assert all(s.drafting for s in shapes if s.drain_seconds > 0)
     assert all(not s.draft_rows for s in shapes if s.refilled)
     after_drafts = [b for a, b in zip(shapes, shapes[1:]) if a.draft_rows and not b.draft_rows]
     assert after_drafts and all(s.refilled for s in after_drafts)
-    assert any(s.drain_seconds > 0 for s in shapes)
     assert max(s.sequences for s in shapes) == 6 and min(s.sequences for s in shapes) >= 1
 
 
@@ -317,3 +314,52 @@ def test_inline_steps_poll_while_the_loop_runs_other_tasks():
         return await steps.run(lambda a, b: a + b, 2, 3), ticks
 
     assert asyncio.run(main()) == (5, [0, 1, 2, 3, 4])
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_it_after_the_next_step_was_formed(tiny_gguf, monkeypatch):
+    """A drafting step's tokens go to their sequences before they are detokenized, so that the next
+    step is formed and launched first; a stop string found afterwards inside the step's accepted run
+    cuts the run there and ends the choice, and frees its KV blocks. Every draft is accepted here
+    (long runs): each stop string ends the text where the unstopped text first has it."""
+    import cupyspec.engine as engine_module
+    from cupyspec.detokenizer import IncrementalDetokenizer
+
+    cuts = []  # (tokens of a step, of them before the stop), where a stop cut a step's run
+
+    class CountingDetokenizer(IncrementalDetokenizer):
+        def add(self, token_ids):
+            delta = super().add(token_ids)
+            if delta.num_tokens_accepted < len(token_ids):
+                cuts.append((len(token_ids), delta.num_tokens_accepted))
+            return delta
+
+    accept_all = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, accept_policy="accept_all")
+
+    async def main():
+        monkeypatch.setattr(engine_module, "IncrementalDetokenizer", CountingDetokenizer)
+        engine = await make_engine(tiny_gguf, overlap=True, speculative=accept_all)
+        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
+        placed, place_tokens = [], engine.outputs.place_tokens
+        engine.outputs.place_tokens = lambda sched, outputs: placed.append(place_tokens(sched, outputs)) or placed[-1]
+        finished, on_finished = [], engine.outputs.on_sequence_finished
+        engine.outputs.on_sequence_finished = lambda seq: (finished.append(list(seq.output_token_ids)), on_finished(seq))
+        results = []
+        for prompt in prompts(3, 5):
+            unstopped = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            text = unstopped["text"][0]
+            for start in range(len(text) // 4, 3 * len(text) // 4, 5):
+                stop = text[start:start + 3]
+                got = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                   stop=[stop]))
+                results.append((unstopped, stop, got, finished[-1]))
+        stats = engine.stats()
+        await engine.shutdown()
+        return results, placed, stats
+
+    results, placed, stats = asyncio.run(main())
+    for unstopped, stop, got, kept in results:
+        assert got["text"][0] == unstopped["text"][0][:unstopped["text"][0].index(stop)]
+        assert got["finish"] == {0: "stop"}
+        assert got["tokens"][0] == kept == unstopped["tokens"][0][:len(kept)]  # the sequence holds what it delivered
+    assert any(placed) and any(kept > 1 for _, kept in cuts)  # runs placed ahead, some cut after accepted drafts
+    assert stats.num_used_kv_blocks == 0 and stats.num_running == 0

@@ -484,7 +484,7 @@ def _drafting_episodes(model: StepCostModel, rng: np.random.Generator, device_bo
         kept = int(rng.integers(0, draft_rows + 1))
         drain = float(rng.random()) * 5e-4
         added = 2e-4 + 5e-6 * draft_rows + 30e-6 * drafting + 8e-6 * kept
-        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, drain, kept=kept, sequences=seqs),
+        model.observe(StepShape(seqs + draft_rows, drafting, draft_rows, kept=kept, sequences=seqs),
                       1e-3 + 4e-6 * seqs + added + drain)
         model.observe(StepShape(seqs, refilled=True, sequences=seqs),
                       1e-3 + 4e-6 * seqs - (drain if device_bound else 0.0))

@@ -39,7 +39,7 @@ PHASES = {  # attribute path on the engine -> method names to time
     "drafter": ("plan", "propose", "after_step"),
     "scheduler": ("schedule",),
     "runner": ("prepare", "launch", "collect"),
-    "outputs": ("process_step",),
+    "outputs": ("place_tokens", "process_step"),
 }
 
 

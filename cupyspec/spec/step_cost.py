@@ -29,7 +29,7 @@ busy server), it charges each sequence part of the price, so that more of them l
 where a ridge let a fit learned from 8 of them send 84 sequences of a chat workload drafting.
 
 A drafting step breaks overlap scheduling: after draft-free steps it first waits for the one in
-flight (`drain_seconds`), and the draft-free step after it is launched with none in flight
+flight (the drain), and the draft-free step after it is launched with none in flight
 (`refilled`). So what a drafting step adds is taken over both: its own wall time, the wait
 included, plus what the refilled step after it took more or less than a draft-free step of its
 rows. Where the device is the bottleneck, a draft-free step waits for the one before it, the
@@ -70,7 +70,6 @@ class StepShape(NamedTuple):
     rows: int  # rows of the forward pass, drafts included
     drafting: int = 0  # sequences that asked for drafts
     draft_rows: int = 0  # rows that verify drafts
-    drain_seconds: float = 0.0  # its wait for the draft-free step in flight, before drafting
     refilled: bool = False  # a draft-free step launched with no step in flight, under overlap scheduling
     kept: int = 0  # drafts that verification accepted
     sequences: int = 1  # sequences in the step: its load band
