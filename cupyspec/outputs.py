@@ -5,34 +5,41 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from cupyspec.spec.stats import SpecStats
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's logprob under the model's own distribution, with the top alternatives."""
+def _top_pairs(entry: TokenLogprob | DraftLogprob) -> tuple[tuple[int, float], ...]:
+    """(token_id, logprob) of each top alternative, most likely first."""
+    return tuple(zip(entry.top_ids, entry.top_logprobs))
+
+
+class TokenLogprob(NamedTuple):
+    """One token's logprob under the model's own distribution, with the top alternatives (as many as
+    asked, most likely first). A tuple: the engine makes one per emitted token."""
 
     token_id: int
     logprob: float
-    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first; as many as asked
+    top_ids: Sequence[int]
+    top_logprobs: Sequence[float]  # [len(top_ids)]
 
-    def __init__(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
-        # one per emitted token: fill the frozen fields directly, as CompletionDelta does
-        self.__dict__.update(token_id=token_id, logprob=logprob, top=top)
+    top = property(_top_pairs)
 
 
-@dataclass(frozen=True)
-class DraftLogprob(TokenLogprob):
-    """A proposed draft token: the target model's logprob for it at its position, and the verdict."""
+class DraftLogprob(NamedTuple):
+    """A proposed draft token: the target model's logprob for it at its position (with the top
+    alternatives there, as TokenLogprob), and the verdict."""
 
+    token_id: int
+    logprob: float
+    top_ids: Sequence[int]
+    top_logprobs: Sequence[float]  # [len(top_ids)]
     accepted: bool
 
-    def __init__(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], accepted: bool) -> None:
-        self.__dict__.update(token_id=token_id, logprob=logprob, top=top, accepted=accepted)
+    top = property(_top_pairs)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class LaunchedStep(NamedTuple):
 
 
 def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
-    return TokenLogprob(int(token_id), float(logprob), tuple(zip(top_ids[:k].tolist(), top_lps[:k].tolist())))
+    return TokenLogprob(int(token_id), float(logprob), top_ids[:k].tolist(), top_lps[:k].tolist())
 
 
 def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
@@ -267,13 +267,14 @@ class ModelRunner:
 
 
 def _verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqStepOutput]:
-    """Each sampling sequence's tokens (and logprobs, when asked) from a speculative step's verdict."""
-    verdict = step.verify
-    counts, num_drafts = verdict.accept_num.tolist(), inputs.num_drafts.tolist()  # whole arrays at once
-    tokens, accepted = verdict.output_token_ids.tolist(), verdict.accepted_mask.tolist()
-    return {s: SeqStepOutput(tuple(tokens[s][:counts[s]]), step.token_logprobs[s], num_drafts[s],
-                             tuple(accepted[s][:num_drafts[s]]), draft_logprobs=step.draft_logprobs[s])
-            for s in range(len(inputs.owners))}
+    """Each sampling sequence's tokens (and logprobs, when asked) from a speculative step's verdict:
+    its accepted drafts, then the bonus or correction token."""
+    drafts, num_drafts = inputs.drafts.tolist(), inputs.num_drafts.tolist()  # whole arrays at once
+    outputs = {}
+    for s, (n, emitted) in enumerate(zip(step.num_accepted, step.emitted)):
+        outputs[s] = SeqStepOutput((*drafts[s][:n], emitted), step.token_logprobs[s], num_drafts[s],
+                                   (True,) * n + (False,) * (num_drafts[s] - n), draft_logprobs=step.draft_logprobs[s])
+    return outputs
 
 
 def _sampled_outputs(out: SamplerOutput, inputs: StepInputs) -> dict[int, SeqStepOutput]:
@@ -284,7 +285,7 @@ def _sampled_outputs(out: SamplerOutput, inputs: StepInputs) -> dict[int, SeqSte
         return {s: SeqStepOutput((token,)) for s, token in enumerate(token_ids)}
     lps, top_ids, top_lps = out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist()  # whole
     return {s: SeqStepOutput((token_ids[s],), None if k is None else (
-        TokenLogprob(token_ids[s], lps[s], tuple(zip(top_ids[s][:k], top_lps[s][:k]))),))
+        TokenLogprob(token_ids[s], lps[s], top_ids[s][:k], top_lps[s][:k]),))
         for s, k in enumerate(wanted)}
 
 

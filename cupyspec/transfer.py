@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -26,13 +27,12 @@ class HostTransfer:
         import cupyx
 
         sources = [xp.ascontiguousarray(a) for a in arrays]
-        offsets = np.cumsum([0] + [-(-a.nbytes // ALIGNMENT) * ALIGNMENT for a in sources])  # [N + 1]
-        host = cupyx.empty_pinned(int(offsets[-1]), np.uint8)  # [bytes]
-        runtime, stream = xp.cuda.runtime, xp.cuda.get_current_stream()
+        offsets = list(itertools.accumulate((-(-a.nbytes // ALIGNMENT) * ALIGNMENT for a in sources), initial=0))
+        host = cupyx.empty_pinned(offsets[-1], np.uint8)  # [bytes]
+        base, runtime, stream = host.ctypes.data, xp.cuda.runtime, xp.cuda.get_current_stream()
         for a, offset in zip(sources, offsets):
             if a.nbytes:
-                runtime.memcpyAsync(host.ctypes.data + int(offset), a.data.ptr, a.nbytes, runtime.memcpyDeviceToHost,
-                                    stream.ptr)
+                runtime.memcpyAsync(base + offset, a.data.ptr, a.nbytes, runtime.memcpyDeviceToHost, stream.ptr)
         self._event = stream.record()
         self._sources = sources  # stay allocated until the copies are done
         self._arrays = [host[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)

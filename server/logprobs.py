@@ -71,7 +71,7 @@ def _fill_completion(result: L, texts: TokenText, token_ids: Sequence[int],
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             continue
-        top = {texts.text(t): clamp(lp) for t, lp in entry.top}
+        top = {texts.text(t): clamp(lp) for t, lp in zip(entry.top_ids, entry.top_logprobs)}
         top.setdefault(token, clamp(entry.logprob))
         result.token_logprobs.append(clamp(entry.logprob))
         result.top_logprobs.append(top)
@@ -105,11 +105,11 @@ def merge_completion_logprobs(parts: Sequence[L], kind: type[L]) -> L:
 
 def _chat_fields(texts: TokenText, entry: TokenLogprob) -> tuple[str, float, list[int], list[TopLogprob]]:
     """ChatTokenLogprob's fields, in order (positional: the server renders one per emitted token)."""
-    top = []
-    for token_id, logprob in entry.top:
-        text, raw = texts.entry(token_id)
+    entry_of, top = texts.entry, []
+    for token_id, logprob in zip(entry.top_ids, entry.top_logprobs):
+        text, raw = entry_of(token_id)
         top.append(TopLogprob(text, clamp(logprob), raw))
-    text, raw = texts.entry(entry.token_id)
+    text, raw = entry_of(entry.token_id)
     return text, clamp(entry.logprob), raw, top
 
 

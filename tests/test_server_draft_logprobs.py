@@ -51,9 +51,10 @@ STEPS: list[tuple[str, list[tuple[str, bool, float]] | None]] = [
 ]
 
 
-def top_of(params: SamplingParams) -> tuple[tuple[int, float], ...]:
-    """As many alternatives as asked: `z`, `y`, ... at -3, -4, ..."""
-    return tuple((ord("z") - i, -3.0 - i) for i in range(params.logprobs or 0))
+def top_of(params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Ids and logprobs of as many alternatives as asked: `z`, `y`, ... at -3, -4, ..."""
+    count = params.logprobs or 0
+    return [ord("z") - i for i in range(count)], [-3.0 - i for i in range(count)]
 
 
 class DraftScriptEngine:
@@ -68,10 +69,10 @@ class DraftScriptEngine:
     def _delta(self, choice: int, step: int, params: SamplingParams, speculates: bool) -> CompletionDelta:
         emitted, drafts = STEPS[step]
         tokens = tuple(ord(ch) + choice for ch in emitted)
-        logprobs = tuple(TokenLogprob(t, -1.0, top_of(params)) for t in tokens) if params.logprobs is not None else None
+        logprobs = tuple(TokenLogprob(t, -1.0, *top_of(params)) for t in tokens) if params.logprobs is not None else None
         draft_lps = None
         if params.include_draft_logprobs and speculates:
-            draft_lps = tuple(DraftLogprob(ord(ch) + choice, lp, top_of(params), accepted)
+            draft_lps = tuple(DraftLogprob(ord(ch) + choice, lp, *top_of(params), accepted)
                               for ch, accepted, lp in drafts or ())
         last = step == len(STEPS) - 1
         return CompletionDelta(choice, "".join(map(chr, tokens)), tokens, logprobs, "length" if last else None,
@@ -143,8 +144,8 @@ def test_draft_text_offsets_follow_the_emitted_tokens() -> None:
     texts = TokenText(LetterTokenizer())
     offsets = text_offsets(texts, [ord("a"), 300], 5)
     assert offsets == [5, 6, 16]
-    drafts = [DraftLogprob(ord("a"), -0.5, ((ord("a"), -0.5),), True), DraftLogprob(ord("q"), -math.inf, (), False),
-              DraftLogprob(ord("r"), -7.0, (), False)]
+    drafts = [DraftLogprob(ord("a"), -0.5, [ord("a")], [-0.5], True), DraftLogprob(ord("q"), -math.inf, [], [], False),
+              DraftLogprob(ord("r"), -7.0, [], [], False)]
     lp = completion_draft_logprobs(texts, drafts, offsets)
     assert msgspec.to_builtins(lp) == {"tokens": ["a", "q", "r"], "token_logprobs": [-0.5, -9999.0, -7.0],
                                        "top_logprobs": [{"a": -0.5}, {"q": -9999.0}, {"r": -7.0}],

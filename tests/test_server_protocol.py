@@ -155,8 +155,8 @@ def test_token_text_marks_partial_utf8() -> None:
 
 def test_completion_logprobs_format() -> None:
     texts = TokenText(ByteTokenizer())
-    entries = [None, TokenLogprob(ord("b"), -0.25, ((ord("c"), -0.1), (ord("d"), -math.inf))),
-               TokenLogprob(300, -2.0, ())]
+    entries = [None, TokenLogprob(ord("b"), -0.25, [ord("c"), ord("d")], [-0.1, -math.inf]),
+               TokenLogprob(300, -2.0, [], [])]
     lp, end = completion_logprobs(texts, [ord("a"), ord("b"), 300], entries, offset=5)
     assert lp.tokens == ["a", "b", "<|im_end|>"] and lp.text_offset == [5, 6, 7] and end == 17
     assert lp.token_logprobs == [None, -0.25, -2.0]
@@ -165,7 +165,7 @@ def test_completion_logprobs_format() -> None:
 
 
 def test_chat_logprobs_format() -> None:
-    (entry,) = chat_logprobs(TokenText(ByteTokenizer()), [TokenLogprob(0xC3, -1.5, ((0xC3, -1.5), (ord("x"), -2.5)))])
+    (entry,) = chat_logprobs(TokenText(ByteTokenizer()), [TokenLogprob(0xC3, -1.5, [0xC3, ord("x")], [-1.5, -2.5])])
     assert (entry.token, entry.logprob, entry.bytes) == ("bytes:\\xc3", -1.5, [0xC3])
     assert [(t.token, t.logprob, t.bytes) for t in entry.top_logprobs] == [("bytes:\\xc3", -1.5, [0xC3]),
                                                                           ("x", -2.5, [120])]
@@ -192,14 +192,14 @@ class ScriptedEngine:
         ids = tuple(prompt.encode()) if isinstance(prompt, str) else tuple(prompt)
         prompt_lps = None
         if params.prompt_logprobs is not None:
-            prompt_lps = (None, *(TokenLogprob(t, -3.0, ()) for t in ids[1:]))
+            prompt_lps = (None, *(TokenLogprob(t, -3.0, [], []) for t in ids[1:]))
         for step in range(params.max_tokens):
             await asyncio.sleep(0.02 if prompt == "slow" else 0)
             last = step == params.max_tokens - 1
             deltas = []
             for c in range(params.n):
                 token = ord("a") + (c + step) % 26
-                lps = (TokenLogprob(token, -1.0, ((token, -1.0),)),) if params.logprobs is not None else None
+                lps = (TokenLogprob(token, -1.0, [token], [-1.0]),) if params.logprobs is not None else None
                 deltas.append(CompletionDelta(c, chr(token), (token,), lps, "length" if last else None))
             yield RequestOutput(request_id, ids, tuple(deltas), len(ids), (step + 1) * params.n, last,
                                 prompt_lps if step == 0 else None)

@@ -8,6 +8,7 @@ Without a side stream (the CPU, or overlap turned off) the same work runs in seq
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +36,19 @@ class LogprobRequests:
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """Host results: the verification and, per request, its token and draft logprobs (or None)."""
+    """Host results: each request's accepted drafts and emitted token, and its token and draft
+    logprobs (or None)."""
 
-    verify: VerifyOutput
+    inp: VerifyInput
+    num_accepted: list[int]  # [B] drafts before the first rejection
+    emitted: list[int]  # [B] the bonus or correction token after them
     token_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...]  # [B]
     draft_logprobs: tuple[tuple[DraftLogprob, ...] | None, ...]  # [B]
+
+    @functools.cached_property
+    def verify(self) -> VerifyOutput:
+        """The verification as arrays."""
+        return VerifyOutput.of(self.inp, np.array(self.num_accepted, np.int64), np.array(self.emitted, np.int64))
 
 
 class PendingVerdict:
@@ -68,7 +77,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(HostTransfer(xp, [runs]), lambda host: StepVerdict(
-            VerifyOutput.of(inp, host[0], host[1]), (None,) * batch, (None,) * batch))
+            inp, *host.tolist(), (None,) * batch, (None,) * batch))
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)]).astype(np.int64)  # [B+1]
@@ -90,8 +99,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 
     def finish(host_buffer: np.ndarray) -> StepVerdict:
         host = gathered_on_host(host_buffer, on_device, k)
-        num_accepted, emitted = host.runs
-        return StepVerdict(VerifyOutput.of(inp, num_accepted, emitted),
+        return StepVerdict(inp, *host.runs.tolist(),
                            _token_logprobs(host, wants_tokens, wanted.top_logprobs),
                            _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
@@ -104,9 +112,9 @@ def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: Logprob
     return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side_stream).result()
 
 
-def _top(ids: list[list[int]], lps: list[list[float]], k: int) -> list[tuple[tuple[int, float], ...]]:
-    """Per row, its first k (token id, logprob) pairs."""
-    return [tuple(zip(i[:k], p[:k])) for i, p in zip(ids, lps)]
+def _first(rows: list[list], k: int) -> list[list]:
+    """Each row's first k entries."""
+    return [row[:k] for row in rows]
 
 
 def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
@@ -120,7 +128,8 @@ def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
     out: list[tuple[TokenLogprob, ...] | None] = []
     for b, want in enumerate(wants.tolist()):
         lo, hi = cu[b], cu[b + 1]
-        out.append(tuple(map(TokenLogprob, ids[lo:hi], lps[lo:hi], _top(top_ids[lo:hi], top_lps[lo:hi], top_k[b] or 0)))
+        k = top_k[b] or 0
+        out.append(tuple(map(TokenLogprob, ids[lo:hi], lps[lo:hi], _first(top_ids[lo:hi], k), _first(top_lps[lo:hi], k)))
                    if want else None)
     return tuple(out)
 
@@ -137,8 +146,8 @@ def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyIn
         if not want:
             out.append(None)
             continue
-        lo, n = offsets[b], num_drafts[b]
+        lo, n, k = offsets[b], num_drafts[b], top_k[b] or 0
         out.append(tuple(map(DraftLogprob, inp.draft_token_ids[b, :n].tolist(), lps[lo:lo + n],
-                             _top(top_ids[lo:lo + n], top_lps[lo:lo + n], top_k[b] or 0),
+                             _first(top_ids[lo:lo + n], k), _first(top_lps[lo:lo + n], k),
                              [j < num_accepted[b] for j in range(n)])))
     return tuple(out)
