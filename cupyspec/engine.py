@@ -79,9 +79,10 @@ class _InFlight(NamedTuple):
 
 
 class _Collected(NamedTuple):
-    """A step's outputs, and the batch it was formed from."""
+    """A step's outputs (a verified step's without their logprobs), and the batch it was formed from."""
 
     sched: SchedulerOutput
+    launched: LaunchedStep
     outputs: list[SeqStepOutput]
 
 
@@ -302,13 +303,13 @@ class AsyncEngine:
                         self._process_held(previous, await self._collect(steps, previous.launched))
                     self._in_flight = _InFlight(sched, launched)
                 else:
-                    step_outputs = await self._collect(steps, launched)
+                    step_outputs = await self._collect(steps, launched, logprobs=False)
                     placed = self.outputs.place_tokens(sched, step_outputs)
                     if not placed:
-                        self.outputs.process_step(sched, step_outputs)
+                        self.outputs.process_step(sched, self.runner.add_logprobs(launched, step_outputs))
                     self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in step_outputs])
                     if placed:
-                        self._placed = _Collected(sched, step_outputs)
+                        self._placed = _Collected(sched, launched, step_outputs)
                     if inputs.num_drafts.any():
                         kept = sum(map(sum, (out.accepted for out in step_outputs)))
                 if self.drafter is not None:
@@ -339,12 +340,14 @@ class AsyncEngine:
         """Detokenize, stop and deliver the step whose tokens its sequences took before (`place_tokens`)."""
         if self._placed is not None:
             placed, self._placed = self._placed, None
-            self.outputs.process_step(placed.sched, placed.outputs, placed=True)
+            outputs = self.runner.add_logprobs(placed.launched, placed.outputs)
+            self.outputs.process_step(placed.sched, outputs, placed=True)
 
-    async def _collect(self, steps: InlineSteps | StepThread, launched: LaunchedStep) -> list[SeqStepOutput]:
-        """A launched step's outputs, once the device has them on the host."""
+    async def _collect(self, steps: InlineSteps | StepThread, launched: LaunchedStep,
+                       logprobs: bool = True) -> list[SeqStepOutput]:
+        """A launched step's outputs, once the device has them on the host (see ModelRunner.collect)."""
         await steps.until(launched.ready)
-        return await steps.run(self.runner.collect, launched)
+        return await steps.run(self.runner.collect, launched, logprobs)
 
     async def _idle(self) -> None:
         """Nothing to run: do the proposer's deferred work a slice at a time, then wait for a request."""

@@ -76,7 +76,7 @@ class LaunchedStep(NamedTuple):
     verdict: PendingVerdict | None  # a speculative step's verification
 
     def ready(self) -> bool:
-        """Whether its results are on the host (collecting would not wait)."""
+        """Whether its results, but a verified step's logprobs, are on the host (collecting would not wait)."""
         return self.transfer.done() and (self.verdict is None or self.verdict.done())
 
 
@@ -231,12 +231,13 @@ class ModelRunner:
                 arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
             return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
 
-    def collect(self, step: LaunchedStep) -> list[SeqStepOutput]:
-        """Wait for a launched step's results; each scheduled sequence's output, in order."""
+    def collect(self, step: LaunchedStep, logprobs: bool = True) -> list[SeqStepOutput]:
+        """Wait for a launched step's results; each scheduled sequence's output, in order. Without
+        `logprobs` a verified step's come later, from `add_logprobs`."""
         inputs, host = step.inputs, step.transfer.result()
         outputs = [SeqStepOutput()] * inputs.batch.num_seqs
         if step.verdict is not None:
-            by_sampler = _verified_outputs(step.verdict.result(), inputs)
+            by_sampler = _verified_outputs(step.verdict.result(logprobs), inputs)
         elif step.num_sample_arrays:
             by_sampler = _sampled_outputs(SamplerOutput.from_host(host[:step.num_sample_arrays]), inputs)
         else:
@@ -245,6 +246,18 @@ class ModelRunner:
             outputs[inputs.owners[s]] = out
         if inputs.prompt_owner:
             _add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
+        return outputs
+
+    @staticmethod
+    def add_logprobs(step: LaunchedStep, outputs: list[SeqStepOutput]) -> list[SeqStepOutput]:
+        """`collect(step, logprobs=False)`'s outputs with a verified step's token and draft logprobs
+        (a plain step's come with its tokens)."""
+        if step.verdict is None or not step.inputs.logprobs.any:
+            return outputs
+        token_lps, draft_lps = step.verdict.logprobs()
+        outputs = list(outputs)
+        for s, i in enumerate(step.inputs.owners):
+            outputs[i] = outputs[i]._replace(logprobs=token_lps[s], draft_logprobs=draft_lps[s])
         return outputs
 
     def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None]:

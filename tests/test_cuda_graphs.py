@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
-from cupyspec.config import EngineConfig
+from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.cuda_graphs import BUCKETS
 from cupyspec.model.linear import GEMV_MAX_ROWS
@@ -68,12 +68,17 @@ def test_replayed_step_gives_the_eager_logits(model_and_graphs, parts: list[tupl
     np.testing.assert_array_equal(replayed, eager)
 
 
+KV_CACHE_BYTES = 1 << 30  # per engine: the engines of a test run one after the other, and a finished one
+# may hold its memory until a garbage collection (its parts refer to each other)
+
+
 async def _greedy_answers(model_path: str, cuda_graphs: bool, method: str | None, overlap_scheduling: bool = True,
                           logprobs: int | None = None) -> list[tuple[list[int], list[TokenLogprob]]]:
     """Each prompt's greedy tokens, and their logprobs with `logprobs` alternatives when asked."""
     speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0, cost_aware_backoff=False)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
-                                                   speculative=speculative, overlap_scheduling=overlap_scheduling))
+                                                   speculative=speculative, overlap_scheduling=overlap_scheduling,
+                                                   cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)))
     params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=logprobs)
 
     async def answer(prompt: str) -> tuple[list[int], list[TokenLogprob]]:

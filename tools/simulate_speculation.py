@@ -76,6 +76,7 @@ class ScriptedDevice:
             return inputs
 
         self.runner.prepare, self.runner.launch, self.runner.collect = remembering_prepare, self.launch, self.collect
+        self.runner.add_logprobs = lambda step, outputs: outputs  # scripted steps have none
 
     def launch(self, inputs: StepInputs) -> _Launched:
         sched = self._scheds.pop(id(inputs))
@@ -97,7 +98,7 @@ class ScriptedDevice:
         self._device_free = max(time.perf_counter(), self._device_free) + device_ms / 1e3
         return _Launched(self._device_free, outputs)
 
-    def collect(self, step: _Launched) -> list[SeqStepOutput]:
+    def collect(self, step: _Launched, logprobs: bool = True) -> list[SeqStepOutput]:
         """Sleep until the modeled device is done (no spinning: it would hold the GIL that the engine's
         host work needs, where a real wait on a CUDA event releases it)."""
         wait = step.done_at - time.perf_counter()

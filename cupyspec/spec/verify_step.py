@@ -1,9 +1,11 @@
-"""A speculative step's verification together with its logprobs, with one host transfer.
+"""A speculative step's verification together with its logprobs, in two host transfers.
 
 On the GPU the log-softmax of the candidate rows runs on a second CUDA stream while the main
 stream verifies; the fused accept-and-gather kernel joins them (cupyspec/spec/accept_gather.py).
 Without a side stream (the CPU, or overlap turned off) the same work runs in sequence.
-`launch_verify` queues all of it and the transfer, without waiting; `PendingVerdict.result` waits.
+`launch_verify` queues all of it and the transfers, without waiting: first the verdict's, which
+the engine needs to form the next step, then the logprobs', which it needs only to deliver this
+one. `PendingVerdict.result` waits.
 """
 
 from __future__ import annotations
@@ -52,58 +54,68 @@ class StepVerdict:
 
 
 class PendingVerdict:
-    """A verification on its way to the host: one transfer, then the host records."""
+    """A verification on its way to the host: the verdict in a transfer of its own, then the logprobs
+    in another, so that the verdict, which the next step needs, does not wait for them."""
 
-    def __init__(self, transfer: HostTransfer, finish: Callable[[np.ndarray], StepVerdict]) -> None:
-        self._transfer, self._finish = transfer, finish
+    def __init__(self, inp: VerifyInput, runs: HostTransfer, logprobs: HostTransfer | None = None,
+                 records: Callable[[np.ndarray], tuple[tuple, tuple]] | None = None) -> None:
+        """records: the host records (token logprobs, draft logprobs) [B] each from the logprobs' buffer."""
+        self._inp, self._runs, self._logprobs, self._records = inp, runs, logprobs, records
 
     def done(self) -> bool:
-        """Whether `result` would not wait."""
-        return self._transfer.done()
+        """Whether the verdict is on the host (`result(logprobs=False)` would not wait)."""
+        return self._runs.done()
 
-    def result(self) -> StepVerdict:
-        """The verdict and logprobs on the host (waits for the transfer)."""
-        return self._finish(self._transfer.result()[0])
+    def result(self, logprobs: bool = True) -> StepVerdict:
+        """The verdict, and the logprobs unless `logprobs` is False (then None each, until `logprobs()`)."""
+        num_accepted, emitted = self._runs.result()[0].tolist()
+        token_lps, draft_lps = self.logprobs() if logprobs else ((None,) * len(emitted),) * 2
+        return StepVerdict(self._inp, num_accepted, emitted, token_lps, draft_lps)
+
+    def logprobs(self) -> tuple[tuple[tuple[TokenLogprob, ...] | None, ...], tuple[tuple[DraftLogprob, ...] | None, ...]]:
+        """Per request [B], its token logprobs and its draft logprobs (None where not asked); waits for them."""
+        if self._logprobs is None:
+            return ((None,) * len(self._inp.num_drafts),) * 2
+        return self._records(self._logprobs.result()[0])
 
 
 def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
                   accept_policy: str, side_stream: Any | None = None) -> PendingVerdict:
     """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for, on the
-    device, their host copy started; nothing waits for the device.
+    device, their host copies started (the verdict's first); nothing waits for the device.
 
     side_stream: a CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     """
-    batch = len(inp.num_drafts)
     if not wanted.any:
-        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
-        return PendingVerdict(HostTransfer(xp, [runs]), lambda host: StepVerdict(
-            inp, *host.tolist(), (None,) * batch, (None,) * batch))
+        return PendingVerdict(inp, HostTransfer(xp, [verify_on_device(xp, logits, inp, strategy, accept_policy).runs]))
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)]).astype(np.int64)  # [B+1]
     layout = LogprobLayout.build(first_row, inp.num_drafts, wants_tokens, wants_drafts)
-    on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
     k = max((k or 0) for k in wanted.top_logprobs)
     if side_stream is None:
+        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
+        verdict = HostTransfer(xp, [runs])
+        on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
         rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
-        device_verdict = verify_on_device(xp, logits, inp, strategy, accept_policy)
     else:
         main_stream = xp.cuda.get_current_stream()
-        side_stream.wait_event(main_stream.record())  # the logits and the upload are ready
+        side_stream.wait_event(main_stream.record())  # the logits are ready
+        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
+        verdict = HostTransfer(xp, [runs])
         with side_stream:
+            on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
             rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
             rows_ready = side_stream.record()
-        device_verdict = verify_on_device(xp, logits, inp, strategy, accept_policy)
         main_stream.wait_event(rows_ready)
-    buffer = accept_and_gather(xp, logits, rows, on_device, device_verdict.runs)
+    buffer = accept_and_gather(xp, logits, rows, on_device, runs)
 
-    def finish(host_buffer: np.ndarray) -> StepVerdict:
+    def records(host_buffer: np.ndarray) -> tuple[tuple, tuple]:
         host = gathered_on_host(host_buffer, on_device, k)
-        return StepVerdict(inp, *host.runs.tolist(),
-                           _token_logprobs(host, wants_tokens, wanted.top_logprobs),
-                           _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
+        return (_token_logprobs(host, wants_tokens, wanted.top_logprobs),
+                _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
-    return PendingVerdict(HostTransfer(xp, [buffer]), finish)
+    return PendingVerdict(inp, verdict, HostTransfer(xp, [buffer]), records)
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
