@@ -92,14 +92,13 @@ def flat_batch(token_ids: Sequence[int], lengths: Sequence[int], starts: Sequenc
         cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(lengths_arr, out=cu_seqlens_q[1:])
         batch_id_per_token = np.repeat(np.arange(num_seqs, dtype=np.int32), lengths_arr)  # [T]
-        positions = (np.arange(cu_seqlens_q[-1], dtype=np.int32) - cu_seqlens_q[batch_id_per_token]
-                     + starts_arr[batch_id_per_token])  # [T]
+        positions = (starts_arr - cu_seqlens_q[:-1])[batch_id_per_token] + np.arange(len(token_ids), dtype=np.int32)
         seq_lens_kv = starts_arr + lengths_arr
     block_tables, num_blocks = _block_tables(block_ids)
     if (seq_lens_kv > num_blocks * block_size).any():
         raise ValueError("a segment writes past its KV blocks")
-    slot_mapping = (block_tables[batch_id_per_token, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
+    block_of_token = block_tables.ravel().take(batch_id_per_token * block_tables.shape[1] + positions // block_size)
+    slot_mapping = block_of_token.astype(np.int64) * block_size + positions % block_size  # [T]
     input_ids = np.array(token_ids, dtype=np.int32)
     return FlatBatch(input_ids, positions, batch_id_per_token, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping)
 
