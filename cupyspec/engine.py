@@ -304,12 +304,11 @@ class AsyncEngine:
                     self._in_flight = _InFlight(sched, launched)
                 else:
                     step_outputs = await self._collect(steps, launched, logprobs=False)
-                    placed = self.outputs.place_tokens(sched, step_outputs)
-                    if not placed:
+                    if self.outputs.place_tokens(sched, step_outputs):
+                        self._placed = _Collected(sched, launched, step_outputs)  # delivered after the next launch
+                    else:
                         self.outputs.process_step(sched, self.runner.add_logprobs(launched, step_outputs))
                     self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in step_outputs])
-                    if placed:
-                        self._placed = _Collected(sched, launched, step_outputs)
                     if inputs.num_drafts.any():
                         kept = sum(map(sum, (out.accepted for out in step_outputs)))
                 if self.drafter is not None:

@@ -10,7 +10,6 @@ one. `PendingVerdict.result` waits.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
                                          gathered_on_host)
-from cupyspec.spec.verify import VerifyInput, VerifyOutput, verify_on_device
+from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
 
@@ -41,26 +40,20 @@ class StepVerdict:
     """Host results: each request's accepted drafts and emitted token, and its token and draft
     logprobs (or None)."""
 
-    inp: VerifyInput
     num_accepted: list[int]  # [B] drafts before the first rejection
     emitted: list[int]  # [B] the bonus or correction token after them
     token_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...]  # [B]
     draft_logprobs: tuple[tuple[DraftLogprob, ...] | None, ...]  # [B]
-
-    @functools.cached_property
-    def verify(self) -> VerifyOutput:
-        """The verification as arrays."""
-        return VerifyOutput.of(self.inp, np.array(self.num_accepted, np.int64), np.array(self.emitted, np.int64))
 
 
 class PendingVerdict:
     """A verification on its way to the host: the verdict in a transfer of its own, then the logprobs
     in another, so that the verdict, which the next step needs, does not wait for them."""
 
-    def __init__(self, inp: VerifyInput, runs: HostTransfer, logprobs: HostTransfer | None = None,
+    def __init__(self, num_seqs: int, runs: HostTransfer, logprobs: HostTransfer | None = None,
                  records: Callable[[np.ndarray], tuple[tuple, tuple]] | None = None) -> None:
         """records: the host records (token logprobs, draft logprobs) [B] each from the logprobs' buffer."""
-        self._inp, self._runs, self._logprobs, self._records = inp, runs, logprobs, records
+        self._num_seqs, self._runs, self._logprobs, self._records = num_seqs, runs, logprobs, records
 
     def done(self) -> bool:
         """Whether the verdict is on the host (`result(logprobs=False)` would not wait)."""
@@ -69,13 +62,13 @@ class PendingVerdict:
     def result(self, logprobs: bool = True) -> StepVerdict:
         """The verdict, and the logprobs unless `logprobs` is False (then None each, until `logprobs()`)."""
         num_accepted, emitted = self._runs.result()[0].tolist()
-        token_lps, draft_lps = self.logprobs() if logprobs else ((None,) * len(emitted),) * 2
-        return StepVerdict(self._inp, num_accepted, emitted, token_lps, draft_lps)
+        token_lps, draft_lps = self.logprobs() if logprobs else ((None,) * self._num_seqs,) * 2
+        return StepVerdict(num_accepted, emitted, token_lps, draft_lps)
 
     def logprobs(self) -> tuple[tuple[tuple[TokenLogprob, ...] | None, ...], tuple[tuple[DraftLogprob, ...] | None, ...]]:
         """Per request [B], its token logprobs and its draft logprobs (None where not asked); waits for them."""
         if self._logprobs is None:
-            return ((None,) * len(self._inp.num_drafts),) * 2
+            return ((None,) * self._num_seqs,) * 2
         return self._records(self._logprobs.result()[0])
 
 
@@ -87,7 +80,8 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     side_stream: a CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     """
     if not wanted.any:
-        return PendingVerdict(inp, HostTransfer(xp, [verify_on_device(xp, logits, inp, strategy, accept_policy).runs]))
+        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
+        return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)]).astype(np.int64)  # [B+1]
@@ -115,7 +109,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
         return (_token_logprobs(host, wants_tokens, wanted.top_logprobs),
                 _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
-    return PendingVerdict(inp, verdict, HostTransfer(xp, [buffer]), records)
+    return PendingVerdict(len(inp.num_drafts), verdict, HostTransfer(xp, [buffer]), records)
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
