@@ -5,21 +5,24 @@
 // chunks, verify segments and decode tokens runs in one launch. Softmax in fp32.
 // NumPy twin: cupyspec/model/attention.py (paged_attention).
 //
-// Work split. A CTA of NUM_WARPS warps serves one row and HEADS query heads of one KV head's GQA
-// group, so that each K/V row is read once for all of them. The row's positions are cut into
-// partitions of PARTITION positions, a partition into tiles that go round-robin to the warps. In a
-// warp, a group of LANES lanes reads one position's K/V row (16 bytes a lane, STEP positions at once)
-// and keeps its own online softmax over the positions it reads. At the end of a partition the lane
-// groups merge by shuffles, then the warps through shared memory, in a fixed order.
+// Work split. A CTA of WARPS warps serves one row and HEADS query heads of one KV head's GQA group,
+// so that each K/V row is read once for all of them. The row's positions are cut into partitions of
+// PARTITION positions, a partition into tiles that go round-robin to the warps. In a warp, a group of
+// LANES lanes reads one position's K/V row (16 bytes a lane, STEP positions at once) and keeps its own
+// online softmax over the positions it reads. At the end of a partition the lane groups merge by
+// shuffles, then the warps through shared memory, in a fixed order. Launches of few rows take CTAs of
+// 8 warps, so that a warp waits for fewer tiles in turn; other launches CTAs of 4, which fold fewer
+// warps' states per partition. The wrapper picks the warps on the number of rows only
+// (cupyspec/model/attention.py).
 //
 // Partitions are folded left to right. With gridDim.z == 1 a CTA folds all its row's partitions
 // itself. With gridDim.z == the most partitions a row can have (flash-decoding: few rows, long
 // contexts) CTA z computes partition z only and writes its state to partial_*; the CTA that finishes
 // last among a row's partitions (a counter in `arrivals`, which it resets to zero) folds the states.
 // Both paths do the same arithmetic in the same order (the merges use no fused multiply-adds), so a
-// row's output depends on that row alone: not on the other rows, on their number, or on the path the
-// wrapper picked. A split launch first prefetches its partition's K/V into L2, so that its warps wait
-// for memory about once rather than once per tile.
+// row's output depends on that row and the CTA's warps alone: not on the other rows or on the path
+// the wrapper picked. A split launch first prefetches its partition's K/V into L2, so that its warps
+// wait for memory about once rather than once per tile.
 
 #include <cuda_fp16.h>
 
@@ -27,8 +30,6 @@
 
 #define WARP 32
 #define FULL_MASK 0xffffffffu
-#define NUM_WARPS 4
-#define NUM_THREADS (WARP * NUM_WARPS)
 #define PARTITION 256  // positions per partition; PARTITION in cupyspec/model/attention.py
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
@@ -73,8 +74,9 @@ __device__ __forceinline__ void fold(float& m, float& s, float& a, float pm, flo
   m = r.max;
 }
 
-// DP: head_dim (a multiple of 8) padded to 32, 64 or 128; HEADS: query heads of one GQA group per CTA.
-template <int DP, int HEADS>
+// DP: head_dim (a multiple of 8) padded to 32, 64 or 128; HEADS: query heads of one GQA group per CTA;
+// WARPS: of the CTA.
+template <int DP, int HEADS, int WARPS>
 __device__ __forceinline__ void attend(
     const half* __restrict__ q,                  // [T, Hq, D]
     const half* __restrict__ k_cache,            // [num_blocks, block_size, Hkv, D]
@@ -91,10 +93,11 @@ __device__ __forceinline__ void attend(
   constexpr int STEP = WARP / LANES;           // positions a warp reads at once
   constexpr int UNROLL = HEADS <= 4 ? 4 : 2;   // steps per tile: loads in flight against registers
   constexpr int TILE = UNROLL * STEP;          // positions of a tile
-  constexpr int ELEMS = (HEADS * DP + NUM_THREADS - 1) / NUM_THREADS;  // output elements per thread
-  __shared__ int blocks_s[PARTITION];                                 // the partition's KV blocks
-  __shared__ float acc_s[NUM_WARPS][HEADS][DP];                       // the warps' partition states
-  __shared__ float max_s[NUM_WARPS][HEADS], sum_s[NUM_WARPS][HEADS];
+  constexpr int THREADS = WARPS * WARP;
+  constexpr int ELEMS = (HEADS * DP + THREADS - 1) / THREADS;  // output elements per thread
+  __shared__ int blocks_s[PARTITION];                          // the partition's KV blocks
+  __shared__ float acc_s[WARPS][HEADS][DP];                    // the warps' partition states
+  __shared__ float max_s[WARPS][HEADS], sum_s[WARPS][HEADS];
   __shared__ float run_s[3][HEADS * DP];  // the fold over partitions (max, sum, acc) per element
   __shared__ bool last_s;                  // split: this CTA is the row's last to finish
 
@@ -121,13 +124,13 @@ __device__ __forceinline__ void attend(
   auto stage = [&](int p) {  // partition p's KV blocks into blocks_s; split, its K/V rows into L2 at once
     const int start = p * PARTITION, len = partition_len(p);
     const int first_block = start >> log2_block_size;
-    for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += NUM_THREADS)
+    for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += THREADS)
       blocks_s[i] = table[first_block + i];
     __syncthreads();
     if (split) {  // few rows: 32-byte sectors over the threads
       const int sectors = (head_dim + 15) / 16;
 #pragma unroll 1
-      for (int i = threadIdx.x; i < len * sectors; i += NUM_THREADS) {
+      for (int i = threadIdx.x; i < len * sectors; i += THREADS) {
         const size_t at = kv_at(p, i / sectors, i % sectors * 16);
         prefetch_l2(k_cache + at);
         prefetch_l2(v_cache + at);
@@ -161,7 +164,7 @@ __device__ __forceinline__ void attend(
       for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
     }
     const int tiles = (len + TILE - 1) / TILE;
-    for (int tile = warp; tile < tiles; tile += NUM_WARPS) {
+    for (int tile = warp; tile < tiles; tile += WARPS) {
       uint4 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
@@ -246,11 +249,11 @@ __device__ __forceinline__ void attend(
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < ELEMS; ++k) {
-      const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
+      const int e = threadIdx.x + k * THREADS, h = e / DP, d = e % DP;
       if (e < HEADS * DP) {
         float pm = max_s[0][h], ps = sum_s[0][h], pa = acc_s[0][h][d];
 #pragma unroll
-        for (int w = 1; w < NUM_WARPS; ++w) fold(pm, ps, pa, max_s[w][h], sum_s[w][h], acc_s[w][h][d]);
+        for (int w = 1; w < WARPS; ++w) fold(pm, ps, pa, max_s[w][h], sum_s[w][h], acc_s[w][h][d]);
         if (p == p_begin) {
           run_s[0][e] = pm, run_s[1][e] = ps, run_s[2][e] = pa;
         } else {
@@ -266,7 +269,7 @@ __device__ __forceinline__ void attend(
   const bool partial = split && num_parts > 1;
 #pragma unroll
   for (int k = 0; k < ELEMS; ++k) {
-    const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
+    const int e = threadIdx.x + k * THREADS, h = e / DP, d = e % DP;
     if (e < HEADS * DP && first + h < group && d < head_dim) {
       const size_t head = (size_t)row * num_heads + kv_head * group + first + h;
       if (partial) {
@@ -290,7 +293,7 @@ __device__ __forceinline__ void attend(
   __threadfence();  // ... and read by it past L1 (__ldcg)
 #pragma unroll
   for (int k = 0; k < ELEMS; ++k) {
-    const int e = threadIdx.x + k * NUM_THREADS, h = e / DP, d = e % DP;
+    const int e = threadIdx.x + k * THREADS, h = e / DP, d = e % DP;
     if (e < HEADS * DP && first + h < group && d < head_dim) {
       const size_t head = (size_t)row * num_heads + kv_head * group + first + h;
       const float2* stats = partial_stats + head * gridDim.z;
@@ -306,19 +309,25 @@ __device__ __forceinline__ void attend(
   }
 }
 
-// paged_attention_d{DP}_h{HEADS}: grid (T, Hkv * ceil(group / HEADS), 1 or the most partitions),
-// NUM_THREADS threads. MIN_CTAS (resident per SM) caps the registers where that costs no spills.
-#define PAGED_ATTENTION(DP, HEADS, MIN_CTAS)                                                                 \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) paged_attention_d##DP##_h##HEADS(      \
-      const half* __restrict__ q, const half* __restrict__ k_cache, const half* __restrict__ v_cache,       \
-      const int* __restrict__ block_tables, const int* __restrict__ batch_id_per_token,                     \
-      const int* __restrict__ positions, half* __restrict__ out, float* __restrict__ partial_acc,            \
-      float2* __restrict__ partial_stats, int* __restrict__ arrivals, int num_heads, int num_kv_heads,       \
-      int head_dim, int log2_block_size, int max_blocks, float scale) {                                     \
-    attend<DP, HEADS>(q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out, partial_acc,   \
-                      partial_stats, arrivals, num_heads, num_kv_heads, head_dim, log2_block_size, max_blocks, \
-                      scale);                                                                               \
+// paged_attention_d{DP}_h{HEADS}_w{WARPS}: grid (T, Hkv * ceil(group / HEADS), 1 or the most
+// partitions), WARPS * 32 threads. MIN_CTAS (4-warp CTAs resident per SM; of 8-warp CTAs half as
+// many, rounded down) caps the registers where that costs no spills.
+#define PAGED_ATTENTION_WARPS(DP, HEADS, MIN_CTAS, WARPS)                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * WARP, MIN_CTAS * 4 / WARPS)                          \
+      paged_attention_d##DP##_h##HEADS##_w##WARPS(                                                        \
+          const half* __restrict__ q, const half* __restrict__ k_cache, const half* __restrict__ v_cache, \
+          const int* __restrict__ block_tables, const int* __restrict__ batch_id_per_token,               \
+          const int* __restrict__ positions, half* __restrict__ out, float* __restrict__ partial_acc,      \
+          float2* __restrict__ partial_stats, int* __restrict__ arrivals, int num_heads, int num_kv_heads, \
+          int head_dim, int log2_block_size, int max_blocks, float scale) {                               \
+    attend<DP, HEADS, WARPS>(q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out,       \
+                             partial_acc, partial_stats, arrivals, num_heads, num_kv_heads, head_dim,     \
+                             log2_block_size, max_blocks, scale);                                         \
   }
+
+#define PAGED_ATTENTION(DP, HEADS, MIN_CTAS)    \
+  PAGED_ATTENTION_WARPS(DP, HEADS, MIN_CTAS, 4) \
+  PAGED_ATTENTION_WARPS(DP, HEADS, MIN_CTAS, 8)
 
 #define PAGED_ATTENTION_ALL_HEADS(DP, MIN_CTAS_6) \
   PAGED_ATTENTION(DP, 1, 4)                       \

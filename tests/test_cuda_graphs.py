@@ -12,6 +12,7 @@ import pytest
 from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
+from cupyspec.model.attention import FEW_ROWS
 from cupyspec.model.cuda_graphs import BUCKETS
 from cupyspec.model.linear import GEMV_MAX_ROWS
 from cupyspec.outputs import TokenLogprob
@@ -23,9 +24,11 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
 
 
-def test_gemv_boundary_is_a_bucket() -> None:
-    """A padded step must pick the matrix-product kernel family that the eager step picks."""
+def test_kernel_boundaries_are_buckets() -> None:
+    """A padded step must pick the matrix-product kernel family and the attention CTA size that the
+    eager step picks."""
     assert GEMV_MAX_ROWS in BUCKETS
+    assert FEW_ROWS in BUCKETS
 
 
 @pytest.fixture(scope="module")

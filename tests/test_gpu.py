@@ -66,36 +66,50 @@ def test_paged_attention_kernel_matches_twin(query_lens, max_context, shape):
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES[:2], ids=lambda s: "{}-{}x{}-b{}".format(*s))
 def test_paged_attention_rows_are_batch_independent(shape):
-    """A row's output has the same bits alone, beside other requests, and in a padded batch with a
-    wider block table (flash-decoding split or not, any grid)."""
-    from cupyspec.model.attention import SPLIT_BELOW_CTAS
+    """A row's output has the same bits in any launch whose CTAs have as many warps (8 up to FEW_ROWS
+    rows, else 4): alone or beside other requests, and in a batch padded with a wider block table,
+    flash-decoding split or not."""
+    from cupyspec.model.attention import FEW_ROWS, SPLIT_BELOW_CTAS
 
     heads, kv_heads, dim, block_size = shape
-    padded_rows = 1024
-    assert kv_heads < SPLIT_BELOW_CTAS <= padded_rows * kv_heads  # alone: split; padded: not
     rng = np.random.default_rng(7)
     segments = [(1, 3999), (6, 994), (300, 0), (1, 10), (5, 250), (1, 255), (1, 256)]
     q, k, v, tables, batch_ids, positions = attention_inputs(rng, segments, heads, kv_heads, dim, block_size,
                                                              4000 // block_size + 1)
     scale = dim ** -0.5
-    together = attention_on_device(q, k, v, tables, batch_ids, positions, scale=scale)
-
-    rows = len(positions)
     wide = np.zeros((len(segments) + 1, 8192 // block_size), dtype=np.int32)  # last row: padding (block 0)
     wide[:-1, : tables.shape[1]] = tables
-    pad = padded_rows - rows
-    padded = attention_on_device(
-        np.concatenate([q, rng.standard_normal((pad, heads, dim)).astype(np.float16)]), k, v, wide,
-        np.r_[batch_ids, np.full(pad, len(segments), np.int32)], np.r_[positions, np.zeros(pad, np.int32)],
-        scale=scale)
-    assert np.array_equal(padded[:rows].view(np.uint16), together.view(np.uint16))
 
+    def padded(rows: np.ndarray, num_rows: int) -> np.ndarray:
+        """`rows` of the batch, padded to num_rows rows with the wide block table: their outputs."""
+        pad = num_rows - len(rows)
+        out = attention_on_device(
+            np.concatenate([q[rows], rng.standard_normal((pad, heads, dim)).astype(np.float16)]), k, v, wide,
+            np.r_[batch_ids[rows], np.full(pad, len(segments), np.int32)],
+            np.r_[positions[rows], np.zeros(pad, np.int32)], scale=scale)
+        return out[:len(rows)].view(np.uint16)
+
+    # 4 warps: every row together (not split), padded to 1024 rows (not split); the short segments'
+    # rows padded to 32 (split)
+    assert FEW_ROWS < 32 and 32 * kv_heads < SPLIT_BELOW_CTAS <= 1024 * kv_heads
+    together = attention_on_device(q, k, v, tables, batch_ids, positions, scale=scale).view(np.uint16)
+    every_row = np.arange(len(positions))
+    assert np.array_equal(padded(every_row, 1024), together)
+    short = np.flatnonzero(np.isin(batch_ids, [b for b, (n, _) in enumerate(segments) if n < 300]))
+    assert len(short) <= FEW_ROWS
+    assert np.array_equal(padded(short, 32), together[short])
+
+    # 8 warps: each short segment alone (split where its blocks span more than one partition), and
+    # all of them padded to FEW_ROWS rows (split)
+    together_short = padded(short, FEW_ROWS)
     for b, (n, _) in enumerate(segments):
+        if n >= 300:
+            continue
         mine = batch_ids == b
         blocks = -(-(positions[mine].max() + 1) // block_size)
         alone = attention_on_device(q[mine], k, v, tables[b : b + 1, :blocks], np.zeros(n, np.int32),
                                     positions[mine], scale=scale)
-        assert np.array_equal(alone.view(np.uint16), together[mine].view(np.uint16)), segments[b]
+        assert np.array_equal(alone.view(np.uint16), together_short[batch_ids[short] == b]), segments[b]
 
 
 def test_cupy_logits_match_numpy_logits(default_model_path):

@@ -10,9 +10,10 @@ of some 150 kernels, captured with programmatic dependent launch: a kernel start
 weights while the one before it finishes.
 
 Every kernel of the forward pass computes a row the same way whatever else is in the batch, and
-the matrix-product kernel family (gemv, with its fused norm, SwiGLU and RoPE steps, or tiles) depends
-on the row count only through buckets that the graph boundaries respect (`linear.GEMV_MAX_ROWS` is a
-bucket), so a graphed step returns the logits the eager step returns, bit for bit.
+the matrix-product kernel family (gemv, with its fused norm, SwiGLU and RoPE steps, or tiles) and
+the attention kernel's CTA size depend on the row count only through buckets that the graph
+boundaries respect (`linear.GEMV_MAX_ROWS` and `attention.FEW_ROWS` are buckets), so a graphed step
+returns the logits the eager step returns, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from cupyspec.model.llama import LlamaModel
 
 log = logging.getLogger("cupyspec")
 
-# Row counts with a graph of their own; GEMV_MAX_ROWS must be one of them.
+# Row counts with a graph of their own; GEMV_MAX_ROWS and attention.FEW_ROWS must be among them.
 BUCKETS = (1, 2, 4, 8, *range(16, KERNEL_MAX_ROWS + 1, 16))
 
 TOKEN_FIELDS = 4  # rows of the staged token arrays: input ids, positions, batch ids, KV slots
