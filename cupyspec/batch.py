@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,9 +19,9 @@ class Segment:
     block_ids: Sequence[int]  # the request's KV blocks, covering every position written
 
 
-@dataclass(frozen=True)
-class FlatBatch:
-    """Host arrays describing one forward pass (DESIGN.md, "One engine step")."""
+class FlatBatch(NamedTuple):
+    """Host arrays describing one forward pass (DESIGN.md, "One engine step"); a tuple: one is made
+    per step, on the host's critical path."""
 
     input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32

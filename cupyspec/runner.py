@@ -15,7 +15,6 @@ engine can form and launch step N+1 before it has seen the tokens of step N (ove
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,10 +37,9 @@ from cupyspec.spec.verify_step import LogprobRequests, PendingVerdict, StepVerdi
 from cupyspec.transfer import HostTransfer
 
 
-@dataclass(frozen=True)
-class StepInputs:
+class StepInputs(NamedTuple):
     """Everything a step needs, captured on the event loop, so that a step run on the step thread (CPU)
-    reads no live state."""
+    reads no live state (a tuple: one is made per step, on the host's critical path)."""
 
     batch: FlatBatch
     target_rows: np.ndarray  # [R] int64: batch rows whose logits pick (or verify) tokens
