@@ -314,8 +314,8 @@ class AsyncEngine:
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    shape = StepShape(sched.num_tokens, asking, int(inputs.num_drafts.sum()), refilled, kept,
-                                      len(sched.scheduled))
+                    shape = StepShape(sched.num_tokens, int(np.count_nonzero(inputs.num_drafts)),
+                                      int(inputs.num_drafts.sum()), refilled, kept, len(sched.scheduled))
                     self.drafter.observe_step(shape, now - mark)
                     mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import astuple, replace
 
 import numpy as np
@@ -302,6 +303,32 @@ def test_between_evaluations_the_last_plan_stands():
     assert drafter.plan([first, near_end, newcomer]) == {}
 
 
+def test_a_step_whose_sequences_asked_for_drafts_and_got_none_is_a_draft_free_step(tiny_gguf):
+    """It verifies nothing and runs overlapped: taken as a drafting step of no draft rows, its price
+    made the cost fit charge verification to the draft rows."""
+    class Missing(Proposer):
+        method = "missing"
+
+        def propose(self, requests):
+            return [Drafts(np.zeros(0, np.int32)) for _ in requests]
+
+    async def shapes_and_plans():
+        engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3)
+        drafter = engine.drafter
+        drafter.proposer = Missing()
+        shapes, plans = [], []
+        observe, plan = drafter.observe_step, drafter.plan
+        drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
+        drafter.plan = lambda running: plans.append(plan(running)) or plans[-1]
+        await collect(engine, REPEAT, GREEDY)
+        await engine.shutdown()
+        return shapes, plans
+
+    shapes, plans = asyncio.run(shapes_and_plans())
+    assert sum(1 for limits in plans if any(limits.values())) >= 30  # the rule asked at nearly every step
+    assert all(shape.drafting == shape.draft_rows == 0 for shape in shapes)
+
+
 @pytest.mark.parametrize("emitted, recovers", [(7, True), (8, False)])
 def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int, recovers: bool):
     """A sequence below min_acceptance_rate drafts nothing; its proposer's unverified drafts, scored
@@ -320,6 +347,29 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
     assert plans[0] == 0
     assert drafter.plan([seq]).get(seq.seq_id, 0) == (3 if recovers else 0)
     assert seq.spec.num_draft_tokens == 0 and seq.spec.proposal_hit_rate > 0.99  # nothing was verified
+
+
+def test_shadow_probes_have_a_budget_of_their_own():
+    """At one sequence an evaluation of the cost-aware rule costs the overhead share of many steps;
+    the probes that bring a written-off sequence back must not wait for it."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0.5)
+    assert config.cost_aware_backoff
+    drafter = Drafter(config, _Constant())
+
+    def dear_fit(sequences: int) -> StepCost:
+        time.sleep(2e-3)  # 200 steps' share of 1e-3 s
+        return StepCost(1e-3, 0.0)
+
+    drafter.step_cost.fit = dear_fit
+    seq = _decoding_seq(3, acceptance=0.05)
+    for _ in range(40):
+        drafter.plan([seq])
+        drafter.after_step([seq])
+        seq.output_token_ids.append(7)  # what the proposer drafts: its probes are kept
+        seq.num_computed_tokens += 1
+        seq.spec.record((), 1)
+        drafter.observe_step(StepShape(1), 1e-3)
+    assert seq.spec.draft_acceptance > 0.5
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -574,6 +624,23 @@ def test_the_step_cost_fit_charges_rows_that_do_not_vary_to_the_step():
     assert cost.drafting_seconds(7, 1) == pytest.approx(5e-4, rel=1e-2)
     assert cost.drafting_seconds(1, 1) == pytest.approx(5e-4, rel=1e-2)  # 6 drafts fewer save nothing
     assert cost.per_kept_draft == pytest.approx(1e-5, rel=1e-2)
+
+
+def test_a_term_the_fit_would_make_negative_is_left_out_and_the_others_fitted_again():
+    """Where draft rows vary a little and the steps with more happened to be quicker, the rows' slope
+    comes out negative; set to 0, it must not leave the step the price it offset (clipped alone, a
+    7-row drafting step was priced at several times what any took, and speculation stopped)."""
+    model, rng = StepCostModel(), np.random.default_rng(1)
+    for _ in range(120):
+        if rng.random() < 0.5:
+            model.observe(StepShape(1), 7e-4)
+        else:
+            draft_rows = int(rng.integers(6, 8))
+            model.observe(StepShape(1 + draft_rows, 1, draft_rows, kept=int(rng.integers(0, 8))),
+                          7e-4 + (6e-4 if draft_rows == 6 else 4e-4))
+    cost = model.fit(1)
+    assert min(cost.per_drafting_step, cost.per_draft_row, cost.per_drafting_seq, cost.per_kept_draft) >= 0.0
+    assert 4e-4 <= cost.drafting_seconds(7, 1) <= 6e-4  # between what 7-row and 6-row steps added
 
 
 def test_a_fit_from_one_count_of_drafting_sequences_charges_each_sequence():

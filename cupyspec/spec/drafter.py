@@ -2,9 +2,11 @@
 After each step: shadow probes keep the acceptance estimates of sequences that do not draft, and
 the proposer catches up on deferred bookkeeping.
 
-This bookkeeping is overhead: evaluating the rule again (the last plan stands in between),
-shadow probing and the proposer's catching up share a budget of OVERHEAD_SHARE of the engine's
-step time; exploring steps (see `Drafter.plan`) take at most 1 / EXPLORE_STEPS of it, less while
+This bookkeeping is overhead: evaluating the rule again (the last plan stands in between) has a
+budget of OVERHEAD_SHARE of the engine's step time, shadow probing and the proposer's catching up
+another (with one budget for both, the evaluations left the probes nothing at one sequence, where
+one costs the share of several steps: a sequence that stopped drafting after a few rejections
+learned nothing for tens of steps); exploring steps (see `Drafter.plan`) take at most 1 / EXPLORE_STEPS of it, less while
 exploring shows nothing that pays: so that a speculating engine under a load where speculation
 does not pay runs within a few percent of one that does not speculate. (The time the engine
 waits for the device is no measure of spare host time: a server's event loop writes responses
@@ -65,7 +67,8 @@ class Drafter:
         self._explore_after: float | None = None  # plain seconds after which exploring pays (see `plan`)
         self._exploring_step = False  # the last plan explored (`observe_step` prices it)
         self._explore_price: dict[int, float] = {}  # per load band: seconds its last exploring step added
-        self._budget = 0.0  # seconds of overhead the engine may spend now (see the module docstring)
+        self._budget = 0.0  # seconds the engine may spend now evaluating the rule (see the module docstring)
+        self._probe_budget = 0.0  # ... and on shadow probes and the proposer's deferred bookkeeping
         self._backoff = 1  # how many times longer than at first the rule waits to explore
         self._drafted_since_exploring = True  # a step other than an exploring one drafted since the last of those
         # a new sequence's prior: the verified drafts and the proposals of recently finished sequences,
@@ -102,6 +105,7 @@ class Drafter:
             base = 0.0 if cost is None else cost.seconds(shape.rows - shape.draft_rows)
             self._explore_price[load_band(shape.sequences)] = max(0.0, seconds - base)
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
+        self._probe_budget = min(OVERHEAD_BUDGET_CAP, self._probe_budget + OVERHEAD_SHARE * seconds)
 
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
         """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). The cost-aware
@@ -204,16 +208,16 @@ class Drafter:
 
     def after_step(self, running: Seq[Sequence]) -> None:
         """Shadow probes (shadow.py) of the sequences not asked for drafts, then the proposer's
-        deferred bookkeeping: under the cost-aware rule within the overhead budget (a few sequences
-        a step), else all that are due."""
+        deferred bookkeeping: under the cost-aware rule within their budget (a few sequences a step),
+        else all that are due."""
         if not self.config.cost_aware_backoff:
             self.shadows.probe(running, self.proposer, self._asked)
             self.proposer.catch_up()
-        elif self._budget > 0:
+        elif self._probe_budget > 0:
             started = time.perf_counter()
             self.shadows.probe(running, self.proposer, self._asked, SHADOWS_PER_STEP)
-            self.proposer.catch_up(max(0.0, self._budget - (time.perf_counter() - started)))
-            self._budget -= time.perf_counter() - started
+            self.proposer.catch_up(max(0.0, self._probe_budget - (time.perf_counter() - started)))
+            self._probe_budget -= time.perf_counter() - started
 
     def catch_up(self, seconds: float) -> bool:
         """The proposer's deferred bookkeeping, for about `seconds` (the engine is idle); whether some is left."""
