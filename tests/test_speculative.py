@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import astuple, replace
 
 import numpy as np
@@ -607,18 +608,25 @@ def test_kept_drafts_are_charged_what_the_host_spends_on_them():
     assert dear.tolist() == [0, 0]
 
 
+def _one_sequence_fit(steps: int, plain_seconds: float,
+                      drafting_step: Callable[[np.random.Generator], tuple[StepShape, float]]) -> StepCost:
+    """The fit at one sequence after `steps` steps, half of them (at random) draft-free ones of
+    `plain_seconds`, the others drafting steps from `drafting_step`."""
+    model, rng = StepCostModel(), np.random.default_rng(0)
+    for _ in range(steps):
+        model.observe(*(drafting_step(rng) if rng.random() >= 0.5 else (StepShape(1), plain_seconds)))
+    return model.fit(1)
+
+
 def test_the_step_cost_fit_charges_rows_that_do_not_vary_to_the_step():
     """At one sequence every drafting step has the most drafts: the fit cannot tell the step from
     its rows, and charges the step, so that fewer drafts do not look cheaper (a minimum-norm fit
     gave the rows most of the price)."""
-    model, rng = StepCostModel(), np.random.default_rng(0)
-    for _ in range(100):
-        if rng.random() < 0.5:
-            model.observe(StepShape(1), 8e-4)
-        else:
-            kept = int(rng.integers(0, 8))
-            model.observe(StepShape(8, 1, 7, kept=kept), 8e-4 + 5e-4 + 1e-5 * kept)
-    cost = model.fit(1)
+    def drafting_step(rng: np.random.Generator) -> tuple[StepShape, float]:
+        kept = int(rng.integers(0, 8))
+        return StepShape(8, 1, 7, kept=kept), 8e-4 + 5e-4 + 1e-5 * kept
+
+    cost = _one_sequence_fit(100, 8e-4, drafting_step)
     assert cost.seconds(1) == pytest.approx(8e-4, rel=1e-3) and cost.per_row < 1e-7
     assert cost.per_draft_row < 1e-7
     assert cost.drafting_seconds(7, 1) == pytest.approx(5e-4, rel=1e-2)
@@ -630,15 +638,12 @@ def test_a_term_the_fit_would_make_negative_is_left_out_and_the_others_fitted_ag
     """Where draft rows vary a little and the steps with more happened to be quicker, the rows' slope
     comes out negative; set to 0, it must not leave the step the price it offset (clipped alone, a
     7-row drafting step was priced at several times what any took, and speculation stopped)."""
-    model, rng = StepCostModel(), np.random.default_rng(1)
-    for _ in range(120):
-        if rng.random() < 0.5:
-            model.observe(StepShape(1), 7e-4)
-        else:
-            draft_rows = int(rng.integers(6, 8))
-            model.observe(StepShape(1 + draft_rows, 1, draft_rows, kept=int(rng.integers(0, 8))),
-                          7e-4 + (6e-4 if draft_rows == 6 else 4e-4))
-    cost = model.fit(1)
+    def drafting_step(rng: np.random.Generator) -> tuple[StepShape, float]:
+        draft_rows = int(rng.integers(6, 8))
+        return (StepShape(1 + draft_rows, 1, draft_rows, kept=int(rng.integers(0, 8))),
+                7e-4 + (6e-4 if draft_rows == 6 else 4e-4))
+
+    cost = _one_sequence_fit(120, 7e-4, drafting_step)
     assert min(cost.per_drafting_step, cost.per_draft_row, cost.per_drafting_seq, cost.per_kept_draft) >= 0.0
     assert 4e-4 <= cost.drafting_seconds(7, 1) <= 6e-4  # between what 7-row and 6-row steps added
 
