@@ -2,16 +2,17 @@
 After each step: shadow probes keep the acceptance estimates of sequences that do not draft, and
 the proposer catches up on deferred bookkeeping.
 
-This bookkeeping is overhead: evaluating the rule again (the last plan stands in between) has a
-budget of OVERHEAD_SHARE of the engine's step time, shadow probing and the proposer's catching up
-another (with one budget for both, the evaluations left the probes nothing at one sequence, where
-one costs the share of several steps: a sequence that stopped drafting after a few rejections
-learned nothing for tens of steps); exploring steps (see `Drafter.plan`) take at most 1 / EXPLORE_STEPS of it, less while
-exploring shows nothing that pays: so that a speculating engine under a load where speculation
-does not pay runs within a few percent of one that does not speculate. (The time the engine
-waits for the device is no measure of spare host time: a server's event loop writes responses
-meanwhile.) The budget itself does not back off: it pays for the evaluations that let the rule
-draft again when acceptance recovers, and at low load those are cheap and must come soon.
+This bookkeeping is overhead. Evaluating the rule again (the last plan stands in between) has a
+budget of OVERHEAD_SHARE of the engine's step time; shadow probing and the proposer's catching up
+have another (with one budget for both, the evaluations left the probes nothing at one sequence,
+where one costs the share of several steps: a sequence that stopped drafting after a few
+rejections learned nothing for tens of steps). Exploring steps (see `Drafter.plan`) take at most
+1 / EXPLORE_STEPS of the step time, less while exploring shows nothing that pays: so that a
+speculating engine under a load where speculation does not pay runs within a few percent of one
+that does not speculate. (The time the engine waits for the device is no measure of spare host
+time: a server's event loop writes responses meanwhile.) The budgets do not back off: they pay for
+the evaluations and probes that let the rule draft again when acceptance recovers, and at low load
+those are cheap and must come soon.
 """
 
 from __future__ import annotations
