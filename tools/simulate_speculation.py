@@ -8,8 +8,8 @@ output processing, all on this host. Only the model is replaced. Each request ha
 tokens its reply is made of (a HumanEval function rewritten with the name `solution`, or
 ShareGPT's first reply, at most `--max-tokens`), and a step emits the scripted tokens: the next
 one, or under speculation the drafts that match the script and one more. The step's device time
-follows a model of the captured graph on an H100 (`tools/profile_step.py`: 0.66 ms at 1 row, 0.69
-at 8, 1.39 at 64, 2.20 at 256, linear between and beyond; plus `--sample-ms` for sampling and the
+follows a model of the captured graph on an H100 (`tools/profile_step.py`: 0.61 ms at 1 row, 0.635
+at 8 (200 cached positions), 1.39 at 64, 2.20 at 256 (256), linear between and beyond; plus `--sample-ms` for sampling and the
 copy, plus `--verify-ms` for a step that verifies drafts). The step is waited for when collected, so a step
 that overlaps hides its host work behind the modeled device time as on the GPU. Steps are handed
 to the step thread, as on the CPU; on a GPU the event loop runs them itself (cupyspec/worker.py),
@@ -42,7 +42,7 @@ from cupyspec.scheduler import SchedulerOutput
 from cupyspec.speculative_config import SpeculativeConfig
 
 GRAPH_ROWS = np.array([1, 8, 64, 256, 512])  # rows of a step
-GRAPH_MS = np.array([0.658, 0.686, 1.385, 2.20, 3.90])  # H100 device ms of the captured step (512: extrapolated)
+GRAPH_MS = np.array([0.61, 0.635, 1.385, 2.20, 3.90])  # H100 device ms of the captured step (512: extrapolated)
 MS_PER_ROW_BEYOND = (GRAPH_MS[-1] - GRAPH_MS[-2]) / (GRAPH_ROWS[-1] - GRAPH_ROWS[-2])  # long prefill chunks
 
 
