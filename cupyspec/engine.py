@@ -288,7 +288,8 @@ class AsyncEngine:
                         await self._finish_in_flight(steps)
                     continue
                 inputs = self.runner.prepare(sched)
-                overlapped = overlap and not inputs.num_drafts.any()
+                drafting = int(np.count_nonzero(inputs.num_drafts))  # sequences whose drafts the step verifies
+                overlapped = overlap and not drafting
                 previous = self._in_flight
                 launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
                 self.scheduler.on_launched(sched)
@@ -309,13 +310,13 @@ class AsyncEngine:
                     else:
                         self.outputs.process_step(sched, self.runner.add_logprobs(launched, step_outputs))
                     self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in step_outputs])
-                    if inputs.num_drafts.any():
+                    if drafting:
                         kept = sum(map(sum, (out.accepted for out in step_outputs)))
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    shape = StepShape(sched.num_tokens, int(np.count_nonzero(inputs.num_drafts)),
-                                      int(inputs.num_drafts.sum()), refilled, kept, len(sched.scheduled))
+                    shape = StepShape(sched.num_tokens, drafting, int(inputs.num_drafts.sum()), refilled, kept,
+                                      len(sched.scheduled))
                     self.drafter.observe_step(shape, now - mark)
                     mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones

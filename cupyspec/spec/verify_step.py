@@ -53,7 +53,8 @@ class PendingVerdict:
     def __init__(self, num_seqs: int, runs: HostTransfer, logprobs: HostTransfer | None = None,
                  records: Callable[[np.ndarray], tuple[tuple, tuple]] | None = None) -> None:
         """records: the host records (token logprobs, draft logprobs) [B] each from the logprobs' buffer."""
-        self._num_seqs, self._runs, self._logprobs, self._records = num_seqs, runs, logprobs, records
+        self._runs, self._logprobs, self._records = runs, logprobs, records
+        self._none = ((None,) * num_seqs,) * 2  # (token logprobs, draft logprobs): none asked, or not yet
 
     def done(self) -> bool:
         """Whether the verdict is on the host (`result(logprobs=False)` would not wait)."""
@@ -62,13 +63,14 @@ class PendingVerdict:
     def result(self, logprobs: bool = True) -> StepVerdict:
         """The verdict, and the logprobs unless `logprobs` is False (then None each, until `logprobs()`)."""
         num_accepted, emitted = self._runs.result()[0].tolist()
-        token_lps, draft_lps = self.logprobs() if logprobs else ((None,) * self._num_seqs,) * 2
+        token_lps, draft_lps = self.logprobs() if logprobs else self._none
         return StepVerdict(num_accepted, emitted, token_lps, draft_lps)
 
-    def logprobs(self) -> tuple[tuple[tuple[TokenLogprob, ...] | None, ...], tuple[tuple[DraftLogprob, ...] | None, ...]]:
+    def logprobs(self) -> tuple[tuple[tuple[TokenLogprob, ...] | None, ...],
+                                tuple[tuple[DraftLogprob, ...] | None, ...]]:
         """Per request [B], its token logprobs and its draft logprobs (None where not asked); waits for them."""
         if self._logprobs is None:
-            return ((None,) * self._num_seqs,) * 2
+            return self._none
         return self._records(self._logprobs.result()[0])
 
 
@@ -135,8 +137,8 @@ def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
     for b, want in enumerate(wants.tolist()):
         lo, hi = cu[b], cu[b + 1]
         k = top_k[b] or 0
-        out.append(tuple(map(TokenLogprob, ids[lo:hi], lps[lo:hi], _first(top_ids[lo:hi], k), _first(top_lps[lo:hi], k)))
-                   if want else None)
+        out.append(tuple(map(TokenLogprob, ids[lo:hi], lps[lo:hi], _first(top_ids[lo:hi], k),
+                             _first(top_lps[lo:hi], k))) if want else None)
     return tuple(out)
 
 
