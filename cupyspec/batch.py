@@ -81,13 +81,20 @@ def flat_batch(token_ids: Sequence[int], lengths: Sequence[int], starts: Sequenc
     if not lengths or min(lengths) < 1:
         raise ValueError("a batch needs at least one segment, each with at least one token")
     num_seqs = len(lengths)
-    starts_arr = np.array(starts, dtype=np.int32)  # [B]
-    if len(token_ids) == num_seqs:  # one token each (decoding): no ragged bookkeeping
+    if num_seqs == 1:  # one segment (one sequence running): no ragged bookkeeping
+        start, length = starts[0], lengths[0]
+        positions = np.arange(start, start + length, dtype=np.int32)
+        cu_seqlens_q = np.array((0, length), dtype=np.int32)
+        batch_id_per_token = np.zeros(length, dtype=np.int32)
+        seq_lens_kv = np.array((start + length,), dtype=np.int32)
+    elif len(token_ids) == num_seqs:  # one token each (decoding)
+        starts_arr = np.array(starts, dtype=np.int32)  # [B]
         cu_seqlens_q = np.arange(num_seqs + 1, dtype=np.int32)
         batch_id_per_token = np.arange(num_seqs, dtype=np.int32)
         positions = starts_arr
         seq_lens_kv = starts_arr + 1
     else:
+        starts_arr = np.array(starts, dtype=np.int32)  # [B]
         lengths_arr = np.array(lengths, dtype=np.int32)
         cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(lengths_arr, out=cu_seqlens_q[1:])
@@ -105,6 +112,8 @@ def flat_batch(token_ids: Sequence[int], lengths: Sequence[int], starts: Sequenc
 
 def _block_tables(block_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """[B, max_blocks] int32, each row a segment's blocks padded with 0; and [B] int32 the block counts."""
+    if len(block_ids) == 1:
+        return np.array(block_ids, dtype=np.int32), np.array((len(block_ids[0]),), dtype=np.int32)
     counts = [len(b) for b in block_ids]
     num_blocks = np.array(counts, dtype=np.int32)
     table = np.zeros((len(counts), max(counts)), dtype=np.int32)

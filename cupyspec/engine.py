@@ -296,6 +296,8 @@ class AsyncEngine:
                 if overlapped:
                     self.outputs.hold_places(sched, inputs.owners)
                 self._deliver_placed()  # meanwhile, the outputs of the step before
+                if self.drafter is not None:
+                    self.drafter.learn_step_costs()  # ... and the step costs observed
                 launched = await launching
                 refilled, kept = False, 0
                 if overlapped:

@@ -11,9 +11,10 @@ BLOCK_SIZE = 4
 
 
 def test_each_token_gets_its_position_request_and_slot():
+    """One segment, decode tokens only, and ragged segments each take a path of their own."""
     rng = np.random.default_rng(0)
-    for num_seqs in (1, 3, 17):
-        lengths = rng.integers(1, 11, num_seqs).tolist()  # decode tokens, verify segments and prefill chunks
+    for num_seqs, longest in ((1, 10), (1, 1), (3, 10), (17, 10), (5, 1)):
+        lengths = rng.integers(1, longest + 1, num_seqs).tolist()  # decode tokens, verify segments, prefill chunks
         starts = rng.integers(0, 30, num_seqs).tolist()
         block_ids = [rng.permutation(100)[:-(-(s + n) // BLOCK_SIZE) + int(rng.integers(0, 3))].tolist()
                      for s, n in zip(starts, lengths)]  # enough blocks, some to spare
@@ -29,7 +30,7 @@ def test_each_token_gets_its_position_request_and_slot():
         assert batch.seq_lens_kv.tolist() == [s + n for s, n in zip(starts, lengths)]
         for b, blocks in enumerate(block_ids):
             assert batch.block_tables[b].tolist() == blocks + [0] * (batch.block_tables.shape[1] - len(blocks))
-        assert (batch.input_ids.dtype, batch.positions.dtype, batch.slot_mapping.dtype) == (np.int32, np.int32, np.int64)
+        assert [a.dtype for a in batch] == [np.int32] * 6 + [np.int64]  # slot_mapping last
 
 
 def test_a_segment_past_its_blocks_is_refused():

@@ -167,6 +167,26 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
     assert max(s.sequences for s in shapes) == 6 and min(s.sequences for s in shapes) >= 1
 
 
+def test_the_engine_learns_step_costs_while_the_next_step_runs(tiny_gguf):
+    """Judging an observed step (which solves a cost fit now and then) waits until the next step is
+    launched: it stays out of the host's gap between a drafting step and the next."""
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+
+    async def main():
+        engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
+        events, launch, learn = [], engine.runner.launch, engine.drafter.learn_step_costs
+        engine.runner.launch = lambda inputs: (events.append("launch"), launch(inputs))[1]
+        engine.drafter.learn_step_costs = lambda: (events.append("learn"), learn())[1]
+        await run_workload(engine, [(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                                    for p in prompts(3, 3)])
+        await engine.shutdown()
+        return events
+
+    events = asyncio.run(main())
+    assert events.count("learn") == events.count("launch") > 10
+    assert all(before == "launch" for before, event in zip(events, events[1:]) if event == "learn")
+
+
 def test_a_penalized_request_takes_its_steps_one_at_a_time(tiny_gguf):
     """Penalties read every output token on the host: while one runs, steps do not overlap, and
     the outputs stay those of the engine without overlap."""

@@ -551,6 +551,20 @@ def test_the_step_cost_fit_recovers_the_terms():
     assert astuple(model.fit(200)) == pytest.approx((1e-3, 4e-6, 2e-4, 5e-6, 30e-6, 8e-6), rel=1e-3)
 
 
+def test_observing_a_step_leaves_the_fits_to_learn():
+    """Observing a step only records it; `learn` judges it and fits, and `fit` learns first."""
+    model = StepCostModel()
+    _drafting_episodes(model, np.random.default_rng(0), device_bound=True)
+    fitted = astuple(model.fit(200))
+    solved = []
+    for fit in (model._plain, *model._drafting):
+        fit._solve = (lambda solve: lambda: solved.append(1) or solve())(fit._solve)
+    _drafting_episodes(model, np.random.default_rng(1), device_bound=True)
+    assert not solved  # observing solved nothing
+    model.learn()
+    assert solved and astuple(model.fit(200)) == pytest.approx(fitted, rel=0.05)
+
+
 def test_where_the_host_is_the_bottleneck_drafting_is_charged_its_wait():
     """A draft-free step of a host-bound engine waits for nothing, so the refilled step saves
     nothing: the drafting step's wait for the step in flight is what drafting costs."""

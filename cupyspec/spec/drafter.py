@@ -108,6 +108,11 @@ class Drafter:
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
         self._probe_budget = min(OVERHEAD_BUDGET_CAP, self._probe_budget + OVERHEAD_SHARE * seconds)
 
+    def learn_step_costs(self) -> None:
+        """Take the steps observed so far into the cost fits (`StepCostModel.learn`); the engine calls
+        this while a step is on the device."""
+        self.step_cost.learn()
+
     def plan(self, running: Seq[Sequence]) -> dict[int, int]:
         """seq_id -> drafts to ask for this step (the back-off rule; see policy.py). The cost-aware
         rule is evaluated again only within the overhead budget: it reads every sequence (and

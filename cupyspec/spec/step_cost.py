@@ -175,17 +175,30 @@ class StepCostModel:
         self._open: tuple[int, tuple[float, ...], float] | None = None  # the last drafting step's load
         # band, x and added seconds, until the step after it shows whether it was refilled (module docstring)
         self._outlier_runs = [0] * (len(LOAD_BANDS) + 2)  # per fit (PLAIN last): its steps in a row far
-        # slower than predicted (`observe`)
+        # slower than predicted (`_learn_one`)
+        self._unlearned: list[tuple[StepShape, float]] = []  # observed steps that `learn` has not taken yet
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """One step's wall time. A step far slower than predicted (a kernel compiled on first use, a
-        garbage collection, or a burst of requests tokenized while the step waited for the device)
-        is left out, so that one hiccup does not stop speculation for long; a step after a drafting
-        one that is, takes the drafting one with it. Capping such steps instead let a burst raise
-        the fit, and so the cap, threefold a step: 70 ms a drafting step at one sequence, learned
-        while 64 requests came in, kept speculation off there for good. A draft-free step is judged
-        by the fit as last solved (by `fit`, which the back-off rule calls within its budget):
-        solving it here would cost every step."""
+        """One step's wall time, taken into the fits by the next `learn` (or `fit`)."""
+        self._unlearned.append((shape, seconds))
+
+    def learn(self) -> None:
+        """Take the observed steps into the fits. Judging a step solves a fit now and then (some
+        50-150 µs): the engine calls this while the next step is on the device, so that it does not
+        lengthen the host's gap between a drafting step and the next."""
+        unlearned, self._unlearned = self._unlearned, []
+        for shape, seconds in unlearned:
+            self._learn_one(shape, seconds)
+
+    def _learn_one(self, shape: StepShape, seconds: float) -> None:
+        """A step far slower than predicted (a kernel compiled on first use, a garbage collection, or
+        a burst of requests tokenized while the step waited for the device) is left out, so that one
+        hiccup does not stop speculation for long; a step after a drafting one that is, takes the
+        drafting one with it. Capping such steps instead let a burst raise the fit, and so the cap,
+        threefold a step: 70 ms a drafting step at one sequence, learned while 64 requests came in,
+        kept speculation off there for good. A draft-free step is judged by the fit as last solved
+        (by `fit`, which the back-off rule calls within its budget): solving it here would cost
+        every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
         if plain is None:  # nothing to measure against yet: only draft-free steps are taken
             if not shape.drafting and not shape.refilled:
@@ -225,6 +238,7 @@ class StepCostModel:
     def fit(self, sequences: int) -> StepCost | None:
         """The estimate for steps of `sequences` sequences, or None before MIN_PLAIN_STEPS draft-free
         steps and MIN_DRAFTING_STEPS drafting ones of their load band."""
+        self.learn()
         plain = self._plain.terms(MIN_PLAIN_STEPS)
         drafting = self._drafting[load_band(sequences)].terms(MIN_DRAFTING_STEPS)
         if plain is None or drafting is None:
