@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from cupyspec.transfer import to_device
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -60,7 +62,7 @@ class DeviceBatch:
         """previous_tokens: None when no input id is a placeholder."""
         if previous_tokens is None:
             previous_tokens = xp.zeros(1, dtype=np.int32)
-        return cls(*(xp.asarray(a, dtype=np.int32) for a in (
+        return cls(*(to_device(xp, np.asarray(a, dtype=np.int32)) for a in (
             batch.input_ids, batch.positions, batch.batch_id_per_token, batch.slot_mapping, batch.block_tables)),
             previous_tokens)
 

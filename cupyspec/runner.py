@@ -34,7 +34,7 @@ from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
 from cupyspec.spec.verify_step import LogprobRequests, PendingVerdict, StepVerdict, launch_verify
-from cupyspec.transfer import HostTransfer
+from cupyspec.transfer import HostTransfer, to_device
 
 
 class StepInputs(NamedTuple):
@@ -271,8 +271,8 @@ class ModelRunner:
 
         def rows_logits(rows: np.ndarray) -> Any:
             if every_row is None:
-                return self.model.compute_logits(hidden[xp.asarray(rows)])
-            return every_row if len(rows) == len(every_row) else every_row[xp.asarray(rows)]
+                return self.model.compute_logits(hidden[to_device(xp, rows)])
+            return every_row if len(rows) == len(every_row) else every_row[to_device(xp, rows)]
 
         return tuple(rows_logits(rows) if len(rows) else None for rows in (inputs.target_rows, inputs.prompt_rows))
 

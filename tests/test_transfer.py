@@ -1,4 +1,5 @@
-"""HostTransfer: arrays of any dtype and shape come back exactly, empty ones included."""
+"""HostTransfer: arrays of any dtype and shape come back exactly, empty ones included; to_device
+takes host arrays to the device as they were at the call."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyspec.transfer import fetch_arrays
+from cupyspec.transfer import fetch_arrays, to_device
 
 
 def arrays(xp: Any) -> list[Any]:
@@ -32,3 +33,16 @@ def test_numpy_arrays_come_back_as_they_are() -> None:
 @pytest.mark.gpu
 def test_device_arrays_come_back_exactly() -> None:
     check(pytest.importorskip("cupy"))
+
+
+@pytest.mark.gpu
+def test_an_upload_queued_behind_device_work_takes_the_array_as_it_was_at_the_call() -> None:
+    cupy = pytest.importorskip("cupy")
+    busy = cupy.zeros(1 << 26, cupy.float32)
+    for host in (np.zeros(0, np.int64), *(a for a in (x.get() for x in arrays(cupy)) if a.size)):
+        busy += 1.0  # device work ahead of the copy on the stream
+        sent = host.copy()
+        device = to_device(cupy, host)
+        host[...] = 0  # the caller may reuse the array at once
+        assert device.dtype == sent.dtype and device.shape == sent.shape
+        np.testing.assert_array_equal(device.get(), sent)

@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from cupyspec.transfer import to_device
+
 
 def scatter_add(xp: Any, target: Any, indices: tuple[Any, ...], values: Any) -> None:
     """target[indices] += values in place, accumulating repeated indices."""
@@ -32,7 +34,7 @@ def _counts(xp: Any, groups: Sequence[np.ndarray | None], vocab: int, param: str
     rows, tokens = _flat_ids(groups, vocab, param)
     counts = xp.zeros((len(groups), vocab), dtype=xp.float32)
     if tokens.size:
-        scatter_add(xp, counts, (xp.asarray(rows), xp.asarray(tokens)), xp.ones(tokens.size, dtype=xp.float32))
+        scatter_add(xp, counts, (to_device(xp, rows), to_device(xp, tokens)), xp.ones(tokens.size, dtype=xp.float32))
     return counts
 
 
@@ -45,9 +47,9 @@ def apply_penalties(xp: Any, logits: Any, params: Sequence[Any], prompt_ids: Seq
     Presence: minus p once for every token present in the output.
     """
     vocab = logits.shape[1]
-    repetition = xp.asarray(np.array([p.repetition_penalty for p in params], np.float32))[:, None]  # [R, 1]
-    frequency = xp.asarray(np.array([p.frequency_penalty for p in params], np.float32))[:, None]  # [R, 1]
-    presence = xp.asarray(np.array([p.presence_penalty for p in params], np.float32))[:, None]  # [R, 1]
+    repetition = to_device(xp, np.array([p.repetition_penalty for p in params], np.float32))[:, None]  # [R, 1]
+    frequency = to_device(xp, np.array([p.frequency_penalty for p in params], np.float32))[:, None]  # [R, 1]
+    presence = to_device(xp, np.array([p.presence_penalty for p in params], np.float32))[:, None]  # [R, 1]
     out_counts = _counts(xp, output_ids, vocab, "output_token_ids")  # [R, V]
     in_output = out_counts > 0  # [R, V]
     x = logits

@@ -18,7 +18,7 @@ from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.logprobs import logprobs_on_device, stable_argsort
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
-from cupyspec.transfer import fetch_arrays
+from cupyspec.transfer import fetch_arrays, to_device
 
 
 class SamplingRow(NamedTuple):
@@ -63,7 +63,7 @@ def penalized_logits(xp: Any, logits: Any, rows: Sequence[SamplingRow]) -> Any:
     penalized = np.array([i for i, p in enumerate(params) if p.has_penalties], dtype=np.int64)
     if not penalized.size:
         return logits
-    index = xp.asarray(penalized)
+    index = to_device(xp, penalized)
     x = logits.copy()
     x[index] = apply_penalties(xp, logits[index], [params[i] for i in penalized],
                                [rows[i].prompt_token_ids for i in penalized],
@@ -81,7 +81,7 @@ def row_uniforms(xp: Any, rows: Sequence[SamplingRow], index: np.ndarray) -> Any
     uniforms = np.array([rows[i].uniform for i in index], dtype=np.float64)
     if ((uniforms < 0.0) | (uniforms >= 1.0)).any():
         raise ValueError("uniform must lie in [0, 1)")
-    return xp.asarray(uniforms)[:, None]
+    return to_device(xp, uniforms)[:, None]
 
 
 def rank_probs(xp: Any, logits: Any, params: Sequence[SamplingParams]) -> RankedProbs:
@@ -89,7 +89,7 @@ def rank_probs(xp: Any, logits: Any, params: Sequence[SamplingParams]) -> Ranked
     vocab = logits.shape[1]
 
     def column(values: list[float], dtype: Any) -> Any:  # host list -> [S, 1] on the device
-        return xp.asarray(np.array(values, dtype=dtype))[:, None]
+        return to_device(xp, np.array(values, dtype=dtype))[:, None]
 
     temperature = column([p.temperature for p in params], np.float64)
     top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], np.int64)
@@ -133,7 +133,7 @@ def pick_tokens(xp: Any, x: Any, rows: Sequence[SamplingRow], drawn: np.ndarray)
     if not drawn.size:
         return tokens, None
     uniforms = row_uniforms(xp, rows, drawn)  # [S, 1]
-    index = xp.asarray(drawn)
+    index = to_device(xp, drawn)
     ranked = rank_probs(xp, x[index], [rows[i].params for i in drawn])
     picks = inverse_cdf(xp, ranked.weights, uniforms)  # [S] ranks
     tokens[index] = xp.take_along_axis(ranked.order, picks[:, None], axis=1)[:, 0]

@@ -20,6 +20,7 @@ import numpy as np
 from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprobs import top_logprobs_on_device
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
+from cupyspec.transfer import to_device
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
 
@@ -93,7 +94,7 @@ class LogprobLayout:
     def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
         """The layout, drafts [B, K] and num_drafts [B] on the device, in one copy."""
         parts = (self.row_target, self.row_seq, self.row_pos, self.wants_tokens, self.draft_offset, drafts, num_drafts)
-        packed = xp.asarray(np.concatenate([np.ravel(a) for a in parts]).astype(np.int64, copy=False))
+        packed = to_device(xp, np.concatenate([np.ravel(a) for a in parts]).astype(np.int64, copy=False))
         return UploadedLayout(packed, len(num_drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
 
 

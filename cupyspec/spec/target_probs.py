@@ -14,6 +14,7 @@ import numpy as np
 
 from cupyspec.sampling.sampler import (RankedProbs, SamplingRow, drawn_rows, inverse_cdf, penalized_logits,
                                        pick_tokens, row_uniforms)
+from cupyspec.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,14 @@ def draft_scores(xp: Any, target: TargetRows, layout: DraftLayout, draft_probs: 
     when draft_probs [B, K, V] is None); p itself when the residual vanishes. A greedy row's p is
     one-hot at its argmax, so its p(d) is [d == argmax] and its residual pick is the argmax.
     """
-    draft = xp.asarray(layout.tokens)  # [D]
-    token_at = target.tokens[xp.asarray(layout.rows)]  # [D]
+    draft = to_device(xp, layout.tokens)  # [D]
+    token_at = target.tokens[to_device(xp, layout.rows)]  # [D]
     p_draft = (draft == token_at).astype(xp.float64)  # [D], right for greedy rows
     residual_pick = token_at.copy() if with_residual else None  # [D]
     count = len(target.drawn_drafts)
     if not count:
         return p_draft, residual_pick
-    at = xp.asarray(target.drawn_drafts)  # [Sd]
+    at = to_device(xp, target.drawn_drafts)  # [Sd]
     order = target.ranked.order[:count]  # [Sd, V]
     weights = target.ranked.weights[:count]  # [Sd, V]
     p = weights / weights.sum(axis=1, keepdims=True)  # [Sd, V] in rank order
@@ -84,7 +85,7 @@ def draft_scores(xp: Any, target: TargetRows, layout: DraftLayout, draft_probs: 
             q = hit.astype(xp.float64)  # [Sd, V]
         else:
             index = target.drawn_drafts
-            q = xp.take_along_axis(draft_probs[xp.asarray(layout.request[index]), xp.asarray(layout.position[index])]
+            q = xp.take_along_axis(draft_probs[to_device(xp, layout.request[index]), to_device(xp, layout.position[index])]
                                    .astype(xp.float64), order, axis=1)  # [Sd, V] in rank order
         residual = xp.maximum(p - q, 0.0)  # [Sd, V]
         residual = xp.where(residual.sum(axis=1, keepdims=True) > 0, residual, p)

@@ -35,7 +35,7 @@ from cupyspec.sampling.sampler import SamplingRow, drawn_rows, penalized_logits
 from cupyspec.spec.accept_runs import accept_matching_runs, accept_runs
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
-from cupyspec.transfer import fetch_arrays
+from cupyspec.transfer import fetch_arrays, to_device
 
 PLACEHOLDER_TOKEN_ID = -1  # fills the fixed-shape output past each request's emitted tokens
 
@@ -114,8 +114,8 @@ class DeviceVerdict:
 def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
               inp: VerifyInput) -> tuple[Any, Any | None]:
     """Each draft's own test (accepted [D] bool) and, for `rejection`, the residual picks [D] int64."""
-    draft = xp.asarray(layout.tokens)  # [D]
-    rows = xp.asarray(layout.rows)  # [D]
+    draft = to_device(xp, layout.tokens)  # [D]
+    rows = to_device(xp, layout.rows)  # [D]
     if strategy == "greedy":
         return argmax_rows(xp, target.logits[rows]) == draft, None
     if strategy == "target_match":
@@ -126,8 +126,8 @@ def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
     if inp.draft_probs is None:
         q_draft = 1.0
     else:
-        q_draft = inp.draft_probs[xp.asarray(layout.request), xp.asarray(layout.position), draft].astype(xp.float64)
-    u = xp.asarray(inp.extra_uniforms[layout.rows])  # [D]
+        q_draft = inp.draft_probs[to_device(xp, layout.request), to_device(xp, layout.position), draft].astype(xp.float64)
+    u = to_device(xp, inp.extra_uniforms[layout.rows])  # [D]
     return u * q_draft < p_draft, residual_pick
 
 
@@ -161,23 +161,23 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
         tokens = argmax_rows(xp, penalized_logits(xp, logits, inp.rows))  # [R]
         padded = np.concatenate([inp.draft_token_ids, np.zeros((batch, 1), np.int64)], axis=1)  # [B, K+1]
         row_draft = padded[np.arange(k + 1) <= inp.num_drafts[:, None]]  # [R] the draft each row scores (bonus: any)
-        uploaded = xp.asarray(np.concatenate([row_draft, first_row]).astype(np.int64, copy=False))  # one copy
+        uploaded = to_device(xp, np.concatenate([row_draft, first_row]).astype(np.int64, copy=False))  # one copy
         return DeviceVerdict(accept_matching_runs(xp, tokens, uploaded))
     layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
     target = score_rows(xp, logits, inp.rows, layout)
     if accept_policy != "normal" or not layout.rows.size:
         num_accepted = inp.num_drafts if accept_policy == "accept_all" else np.zeros(batch, np.int64)
-        emitted = target.tokens[xp.asarray(first_row[:-1] + num_accepted)]  # [B]
-        return DeviceVerdict(xp.stack([xp.asarray(num_accepted), emitted.astype(xp.int64)]))
+        emitted = target.tokens[to_device(xp, first_row[:-1] + num_accepted)]  # [B]
+        return DeviceVerdict(xp.stack([to_device(xp, num_accepted), emitted.astype(xp.int64)]))
 
     accepted, residual_pick = _accepted(xp, strategy, target, layout, inp)  # [D], [D] or None
     passed = xp.zeros(num_rows, dtype=bool)  # [R]
-    passed[xp.asarray(layout.rows)] = accepted
+    passed[to_device(xp, layout.rows)] = accepted
     emit_at = target.tokens  # [R] token emitted when the request stops at that row
     if residual_pick is not None:
         emit_at = emit_at.copy()
-        emit_at[xp.asarray(layout.rows)] = residual_pick
-    return DeviceVerdict(accept_runs(xp, passed, emit_at, xp.asarray(first_row)))
+        emit_at[to_device(xp, layout.rows)] = residual_pick
+    return DeviceVerdict(accept_runs(xp, passed, emit_at, to_device(xp, first_row)))
 
 
 def verify(xp: Any, target_logits: Any, inp: VerifyInput, strategy: str = "rejection",
