@@ -78,7 +78,7 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
         load_kernel("logsoftmax_topk", "logsoftmax_topk")(
             (count,), (KERNEL_THREADS,), tuple(NULL_POINTER if a is None else a for a in (
                 cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
-                None if rows is None else cp.asarray(rows, dtype=cp.int64), np.int32(k), chosen_ids, chosen_lps,
+                None if rows is None else cp.ascontiguousarray(rows, dtype=cp.int64), np.int32(k), chosen_ids, chosen_lps,
                 peak, log_total, top_ids, top_lps)))
     return (peak, log_total, top_ids, top_lps) if chosen_ids is None else (chosen_lps, top_ids, top_lps)
 

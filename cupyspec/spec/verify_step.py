@@ -96,13 +96,13 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
         rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
     else:
         main_stream = xp.cuda.get_current_stream()
-        side_stream.wait_event(main_stream.record())  # the logits are ready
+        side_stream.wait_event(main_stream.record(xp.cuda.Event(disable_timing=True)))  # the logits are ready
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         verdict = HostTransfer(xp, [runs])
         with side_stream:
             on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
             rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
-            rows_ready = side_stream.record()
+            rows_ready = side_stream.record(xp.cuda.Event(disable_timing=True))
         main_stream.wait_event(rows_ready)
     buffer = accept_and_gather(xp, logits, rows, on_device, runs)
 
