@@ -5,7 +5,10 @@ On a GPU each CUDA and CuPy kernel compiles the first time it runs, some 0.1 to 
 and random sampling, top-k/top-p/min-p, penalties, logprobs, prompt logprobs, and under
 speculation verification with and without logprobs. The warm-up sends requests that use them
 all, with a stand-in proposer that always drafts (the real one never sees them), then forgets
-them: metrics and the learned step costs start afresh (`AsyncEngine.create` resets them).
+them: metrics and the learned step costs start afresh (`AsyncEngine.create` resets them). Last,
+a prompt of more rows than the matrix-product kernels take, where cuBLAS runs: its first use
+costs about half a second (the first prefill of 32 prompts of 128 tokens ran at 7,500 tok/s,
+the next ones at 100,000).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec.proposer import DraftRequest, Drafts, Proposer
 
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 
 PROMPT_TOKENS = 48
 MAX_TOKENS = 6
+LONG_PROMPT_TOKENS = KERNEL_MAX_ROWS + 1  # a prefill step past the kernels: cuBLAS
 
 WARM_UP_REQUESTS = (
     SamplingParams(temperature=0.0, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -46,7 +51,8 @@ class RepeatLastProposer(Proposer):
 
 async def warm_up(engine: AsyncEngine) -> None:
     """Run WARM_UP_REQUESTS together (through verification too, when the engine speculates), then
-    the first alone (overlap scheduling stops while a penalized request runs)."""
+    the first alone (overlap scheduling stops while a penalized request runs), then a long prompt
+    prefilled in one step, when the engine takes such steps."""
     drafter = engine.drafter
     if drafter is not None:
         proposer, drafter.proposer = drafter.proposer, RepeatLastProposer()
@@ -65,6 +71,9 @@ async def warm_up(engine: AsyncEngine) -> None:
         await asyncio.gather(*(finish(prompt, params, f"warm-up-{i}")
                                for i, (prompt, params) in enumerate(zip(prompts, requests))))
         await finish(prompts[0], requests[0], "warm-up-alone")
+        if engine.config.scheduler.max_num_batched_tokens >= LONG_PROMPT_TOKENS and room > LONG_PROMPT_TOKENS:
+            long_prompt = [(5 + 11 * j) % vocab for j in range(LONG_PROMPT_TOKENS)]
+            await finish(long_prompt, replace(requests[0], max_tokens=1), "warm-up-long")
     finally:
         if drafter is not None:
             drafter.proposer = proposer

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+import cupyspec.warm_up as warm_up_module
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
@@ -49,3 +50,21 @@ def test_the_warm_up_verifies_drafts_then_leaves_no_trace(tiny_gguf, monkeypatch
     assert fresh == (0, 0, 0, 0)
     cold, _ = asyncio.run(outputs(False))
     assert warm == cold
+
+
+def test_the_warm_up_ends_with_a_prompt_prefilled_in_one_step(tiny_gguf, monkeypatch):
+    """Steps of more rows than the kernels take run cuBLAS, whose first use is slow: the warm-up
+    takes one (here of 300 rows: the tiny model's context is too short for KERNEL_MAX_ROWS + 1)."""
+    monkeypatch.setattr(warm_up_module, "LONG_PROMPT_TOKENS", 300)
+    rows: list[int] = []
+
+    async def main() -> float:
+        engine = await AsyncEngine.create(EngineConfig(model=tiny_gguf, device="cpu", warm_up=False))
+        prepare = engine.runner.prepare
+        engine.runner.prepare = lambda sched: rows.append(sched.num_tokens) or prepare(sched)
+        await warm_up_module.warm_up(engine)
+        arrived = engine.metrics.requests_arrived.value()
+        await engine.shutdown()
+        return arrived
+
+    assert asyncio.run(main()) == 5 and max(rows) == 300
