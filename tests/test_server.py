@@ -308,13 +308,15 @@ def test_health_answers_during_a_long_prefill() -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_cli_serves_and_shuts_down_gracefully(tmp_path: Path, stop_signal: signal.Signals) -> None:
+@pytest.mark.parametrize(("stop_signal", "event_loop"), [(signal.SIGTERM, "uvloop"), (signal.SIGINT, "uvloop"),
+                                                        (signal.SIGTERM, "asyncio")])
+def test_cli_serves_and_shuts_down_gracefully(tmp_path: Path, stop_signal: signal.Signals, event_loop: str) -> None:
     _hf, gguf_path = tiny_model_paths(tmp_path, "llama")
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "cupyspec.server.cli", "--model", str(gguf_path),
-                                    "--device", "cpu", "--port", "0", "--served-model-name", "tiny"],
+                                    "--device", "cpu", "--port", "0", "--served-model-name", "tiny",
+                                    "--event-loop", event_loop],
                                    stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline, match = time.monotonic() + 60, None
