@@ -21,7 +21,7 @@ class HostTransfer:
 
     def __init__(self, xp: Any, arrays: list[Any]) -> None:
         self._event = self._sources = None
-        if xp is np:
+        if xp is np or not arrays:
             self._arrays = [np.asarray(a) for a in arrays]
             return
         import cupyx
