@@ -1,32 +1,11 @@
-// Each request's run of accepted drafts; twins: accept_runs and accept_matching_runs in
+// Each request's run of accepted drafts; twins: accept_runs and greedy_runs in
 // cupyspec/spec/accept_runs.py.
 //
 // Request b owns target rows first_row[b] .. first_row[b+1] - 1: one per draft, then its bonus
 // row. It keeps its drafts up to the first whose row did not pass its test and emits the token of
-// the row where it stopped (the bonus row when every draft passed). One thread per request.
+// the row where it stopped (the bonus row when every draft passed).
 
-template <class Passes>
-__device__ __forceinline__ void write_run(int b, int num_seqs, const long long* __restrict__ emit_at,
-                                          const long long* __restrict__ first_row, Passes passes,
-                                          long long* __restrict__ out)
-{
-    const long long first = first_row[b], bonus = first_row[b + 1] - 1;
-    long long row = first;
-    while (row < bonus && passes(row)) ++row;
-    out[b] = row - first;
-    out[num_seqs + b] = emit_at[row];
-}
-
-struct PassedFlag {  // the row's test, computed before
-    const bool* passed;
-    __device__ bool operator()(long long row) const { return passed[row]; }
-};
-
-struct MatchesEmitted {  // the row's draft is the token the row emits (greedy rows: its argmax)
-    const long long* emit_at;
-    const long long* row_draft;
-    __device__ bool operator()(long long row) const { return row_draft[row] == emit_at[row]; }
-};
+#include "argmax.cuh"
 
 extern "C" __global__ void accept_runs(
     const bool* __restrict__ passed,           // [R] the row's draft passed its test (bonus rows: ignored)
@@ -36,19 +15,46 @@ extern "C" __global__ void accept_runs(
     long long* __restrict__ out)               // [2, B] drafts accepted, then the emitted token
 {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b < num_seqs) write_run(b, num_seqs, emit_at, first_row, PassedFlag{passed}, out);
+    if (b >= num_seqs) return;
+    const long long first = first_row[b], bonus = first_row[b + 1] - 1;
+    long long row = first;
+    while (row < bonus && passed[row]) ++row;
+    out[b] = row - first;
+    out[num_seqs + b] = emit_at[row];
 }
 
-extern "C" __global__ void accept_matching_runs(
-    const long long* __restrict__ emit_at,     // [R] the token emitted when a request stops at the row
-    const long long* __restrict__ drafts_then_bounds,  // [R + B + 1] the draft each row scores, then first_row
-    int num_rows,
+// Greedy rows (twin: greedy_runs): one block per target row takes the row's argmax, the token a
+// greedy row emits (cuda/argmax.cuh); the last block to finish then writes every request's run:
+// its drafts up to the first that is not its row's argmax, and the argmax of the row where it
+// stopped. Request b's drafts are drafts[b, :num_drafts[b]], its rows start after
+// num_drafts[c] + 1 rows of each request c before it.
+extern "C" __global__ void __launch_bounds__(ARGMAX_MAX_THREADS) greedy_runs(
+    const float* __restrict__ x,                          // [R, V] target rows
+    long long vocab,
+    const long long* __restrict__ drafts_then_counts,     // [B*K] drafts, then num_drafts [B]
     int num_seqs,
-    long long* __restrict__ out)               // [2, B] drafts accepted, then the emitted token
+    int max_drafts,
+    long long* __restrict__ out)  // [2B + R + 1]: runs [2, B], each row's argmax [R], a counter that is 0 on entry
 {
-    const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b < num_seqs) {
-        write_run(b, num_seqs, emit_at, drafts_then_bounds + num_rows, MatchesEmitted{emit_at, drafts_then_bounds},
-                  out);
+    long long* tokens = out + 2 * (long long)num_seqs;
+    unsigned int* finished = (unsigned int*)(tokens + gridDim.x);
+    const long long token = block_argmax(x + (long long)blockIdx.x * vocab, vocab);
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        tokens[blockIdx.x] = token;
+        __threadfence();  // the argmax is visible to whichever block counts last
+        last = atomicAdd(finished, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    const long long* num_drafts = drafts_then_counts + (long long)num_seqs * max_drafts;
+    for (int b = threadIdx.x; b < num_seqs; b += blockDim.x) {
+        long long first = 0;
+        for (int c = 0; c < b; ++c) first += num_drafts[c] + 1;
+        const long long* drafts = drafts_then_counts + (long long)b * max_drafts;
+        long long j = 0;  // other blocks wrote tokens: read them past the L1 cache
+        while (j < num_drafts[b] && __ldcg(tokens + first + j) == drafts[j]) ++j;
+        out[b] = j;
+        out[num_seqs + b] = __ldcg(tokens + first + j);
     }
 }

@@ -1,4 +1,4 @@
-"""accept_runs and accept_matching_runs: each request's run of accepted drafts; the twins against a
+"""accept_runs and greedy_runs: each request's run of accepted drafts; the twins against a
 per-request loop, and the CUDA kernels against the twins."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyspec.spec.accept_runs import accept_matching_runs, accept_runs
+from cupyspec.spec.accept_runs import accept_runs, greedy_runs
 
 
 def make_case(rng: np.random.Generator, batch: int, max_drafts: int) -> dict[str, np.ndarray]:
@@ -56,31 +56,44 @@ def test_kernel_matches_twin(batch: int, max_drafts: int) -> None:
     np.testing.assert_array_equal(run(cupy, case), run(np, case))
 
 
-def matching_case(rng: np.random.Generator, batch: int, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(emit_at [R], drafts_then_bounds [R + B + 1]) where most drafts match their row's token."""
+def greedy_case(rng: np.random.Generator, batch: int, max_drafts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logits [R, V] f32, drafts [B, K], num_drafts [B]) where most drafts are their row's argmax;
+    drafts past num_drafts hold the placeholder -1."""
     case = make_case(rng, batch, max_drafts)
-    emit_at = rng.integers(0, 4, len(case["emit_at"]))  # few distinct tokens: drafts match often
-    row_draft = np.where(case["passed"], emit_at, emit_at + 1)  # [R] bonus rows hold anything
-    return emit_at, np.concatenate([row_draft, case["first_row"]]).astype(np.int64)
+    first_row = case["first_row"]
+    rows, vocab = int(first_row[-1]), 3000
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[:, 7] = np.where(rng.random(rows) < 0.5, logits.max(axis=1), logits[:, 7])  # ties: the lower index wins
+    best = logits.argmax(axis=1)  # [R]
+    num_drafts = np.diff(first_row) - 1  # [B]
+    drafts = np.full((batch, max_drafts), -1, np.int64)
+    for b in range(batch):
+        rows_b = best[first_row[b]:first_row[b] + num_drafts[b]]
+        drafts[b, :num_drafts[b]] = np.where(case["passed"][first_row[b]:first_row[b] + num_drafts[b]], rows_b,
+                                             (rows_b + 1) % vocab)
+    return logits, drafts, num_drafts.astype(np.int64)
 
 
-def run_matching(xp: Any, emit_at: np.ndarray, drafts_then_bounds: np.ndarray) -> np.ndarray:
-    out = accept_matching_runs(xp, xp.asarray(emit_at), xp.asarray(drafts_then_bounds))
+def run_greedy(xp: Any, logits: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    out = greedy_runs(xp, xp.asarray(logits), drafts, num_drafts)
     return out if xp is np else out.get()
 
 
 @pytest.mark.parametrize("batch,max_drafts", [(0, 3), (1, 0), (1, 5), (7, 8), (300, 5)])
-def test_matching_runs_are_the_runs_of_drafts_equal_to_their_rows_token(batch: int, max_drafts: int) -> None:
-    emit_at, packed = matching_case(np.random.default_rng(batch + 7), batch, max_drafts)
-    rows = len(emit_at)
-    passed = packed[:rows] == emit_at
-    expected = reference({"passed": passed, "emit_at": emit_at, "first_row": packed[rows:]})
-    np.testing.assert_array_equal(run_matching(np, emit_at, packed), expected)
+def test_greedy_runs_are_the_runs_of_drafts_equal_to_their_rows_argmax(batch: int, max_drafts: int) -> None:
+    logits, drafts, num_drafts = greedy_case(np.random.default_rng(batch + 7), batch, max_drafts)
+    first_row = np.concatenate([[0], np.cumsum(num_drafts + 1)]).astype(np.int64)
+    best = logits.argmax(axis=1)
+    row_draft = np.concatenate([np.append(drafts[b, :n], -2) for b, n in enumerate(num_drafts)] or [np.zeros(0)])
+    expected = reference({"passed": row_draft == best, "emit_at": best, "first_row": first_row})
+    np.testing.assert_array_equal(run_greedy(np, logits, drafts, num_drafts), expected)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,max_drafts", [(1, 0), (1, 8), (129, 5), (300, 8)])
-def test_matching_kernel_matches_twin(batch: int, max_drafts: int) -> None:
+@pytest.mark.parametrize("batch,max_drafts", [(1, 0), (1, 8), (129, 5), (300, 8), (700, 3)])
+def test_greedy_kernel_matches_twin(batch: int, max_drafts: int) -> None:
     cupy = pytest.importorskip("cupy")
-    emit_at, packed = matching_case(np.random.default_rng(batch + 3), batch, max_drafts)
-    np.testing.assert_array_equal(run_matching(cupy, emit_at, packed), run_matching(np, emit_at, packed))
+    logits, drafts, num_drafts = greedy_case(np.random.default_rng(batch + 3), batch, max_drafts)
+    for _ in range(3):  # the counter of finished blocks starts at 0 in every launch
+        np.testing.assert_array_equal(run_greedy(cupy, logits, drafts, num_drafts),
+                                      run_greedy(np, logits, drafts, num_drafts))

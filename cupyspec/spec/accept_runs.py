@@ -1,6 +1,6 @@
 """Each request's run of accepted drafts, from the per-row outcome of its drafts' tests, or (greedy
-rows) from whether each draft is the token its row emits: the CUDA kernels (cuda/accept_runs.cu)
-and their NumPy twins.
+rows) from whether each draft is its row's argmax: the CUDA kernels (cuda/accept_runs.cu) and their
+NumPy twins.
 
 Request b owns target rows first_row[b] .. first_row[b+1] - 1: one per draft, then its bonus row.
 It keeps its drafts up to the first that failed and emits the token of the row where it stopped.
@@ -13,8 +13,11 @@ from typing import Any
 import numpy as np
 
 from cupyspec.kernels import load_kernel
+from cupyspec.sampling.argmax import argmax_rows
+from cupyspec.transfer import to_device
 
 THREADS = 128  # requests per block
+ARGMAX_THREADS = 512  # greedy_runs: threads per row (at most ARGMAX_MAX_THREADS in cuda/argmax.cuh)
 
 
 def accept_runs(xp: Any, passed: Any, emit_at: Any, first_row: Any) -> Any:
@@ -41,21 +44,28 @@ def accept_runs(xp: Any, passed: Any, emit_at: Any, first_row: Any) -> Any:
     return out
 
 
-def accept_matching_runs(xp: Any, emit_at: Any, drafts_then_bounds: Any) -> Any:
-    """accept_runs where a draft passes when it is the token its row emits (a greedy row's argmax).
+def greedy_runs(xp: Any, logits: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> Any:
+    """accept_runs for rows that all pick greedily: a draft passes when it is its row's argmax, and a
+    request emits the argmax of the row where it stops.
 
-    emit_at [R] int64; drafts_then_bounds [R + B + 1] int64: the draft each row scores (anything on
-    bonus rows), then first_row. Both on xp's device; one upload brings the second.
+    logits [R, V] f32 on xp's device, R = sum(num_drafts + 1); drafts [B, K] int64 (anything past
+    num_drafts[b]) and num_drafts [B] int64 on the host. On a GPU one kernel (cuda/accept_runs.cu)
+    takes every row's argmax and the runs, after one upload; these lines are its twin.
     """
-    num_rows = len(emit_at)
+    batch, max_drafts = drafts.shape
     if xp is np:
-        row_draft, first_row = drafts_then_bounds[:num_rows], drafts_then_bounds[num_rows:]
-        return accept_runs(np, emit_at == row_draft, emit_at, first_row)
-    num_seqs = len(drafts_then_bounds) - num_rows - 1
-    out = xp.empty((2, num_seqs), dtype=np.int64)
-    if num_seqs:
-        load_kernel("accept_runs", "accept_matching_runs")(
-            (-(-num_seqs // THREADS),), (THREADS,),
-            (xp.ascontiguousarray(emit_at, dtype=np.int64), xp.ascontiguousarray(drafts_then_bounds, dtype=np.int64),
-             np.int32(num_rows), np.int32(num_seqs), out))
-    return out
+        tokens = argmax_rows(np, logits)  # [R]
+        first_row = np.concatenate([[0], np.cumsum(num_drafts + 1)])  # [B+1]
+        padded = np.concatenate([drafts, np.zeros((batch, 1), np.int64)], axis=1)  # [B, K+1]
+        row_draft = padded[np.arange(max_drafts + 1) <= num_drafts[:, None]]  # [R] (bonus rows: anything)
+        return accept_runs(np, tokens == row_draft, tokens, first_row)
+    num_rows = logits.shape[0]
+    out = xp.empty(2 * batch + num_rows + 1, dtype=np.int64)  # runs [2, B], each row's argmax [R], a counter
+    if batch:
+        runtime = xp.cuda.runtime
+        runtime.memsetAsync(out.data.ptr + 8 * (2 * batch + num_rows), 0, 8, xp.cuda.get_current_stream().ptr)
+        load_kernel("accept_runs", "greedy_runs")(
+            (num_rows,), (ARGMAX_THREADS,),
+            (xp.ascontiguousarray(logits, dtype=np.float32), np.int64(logits.shape[1]),
+             to_device(xp, np.concatenate([drafts.ravel(), num_drafts])), np.int32(batch), np.int32(max_drafts), out))
+    return out[:2 * batch].reshape(2, batch)

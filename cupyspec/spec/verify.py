@@ -32,7 +32,7 @@ import numpy as np
 
 from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.sampler import SamplingRow, drawn_rows, penalized_logits
-from cupyspec.spec.accept_runs import accept_matching_runs, accept_runs
+from cupyspec.spec.accept_runs import accept_runs, greedy_runs
 from cupyspec.spec.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
 from cupyspec.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
 from cupyspec.transfer import fetch_arrays, to_device
@@ -59,13 +59,13 @@ class VerifyInput:
             raise ValueError(f"num_drafts must be an integer array of shape [B={drafts.shape[0]}], got {num.shape}")
         if num.size and (num.min() < 0 or num.max() > drafts.shape[1]):
             raise ValueError(f"num_drafts must lie in [0, K={drafts.shape[1]}]")
-        num_rows = int((num + 1).sum())
+        num_rows = int(num.sum()) + len(num)
         if len(self.rows) != num_rows:
             raise ValueError(f"rows must hold sum(num_drafts + 1) = {num_rows} rows, got {len(self.rows)}")
         uniforms = np.asarray(self.extra_uniforms, dtype=np.float64)
         if uniforms.shape != (num_rows,):
             raise ValueError(f"extra_uniforms must have shape [{num_rows}], got {uniforms.shape}")
-        if ((uniforms < 0.0) | (uniforms >= 1.0)).any():
+        if uniforms.size and not (uniforms.min() >= 0.0 and uniforms.max() < 1.0):
             raise ValueError("extra_uniforms must lie in [0, 1)")
         object.__setattr__(self, "draft_token_ids", drafts.astype(np.int64, copy=False))
         object.__setattr__(self, "num_drafts", num.astype(np.int64, copy=False))
@@ -155,14 +155,11 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
         return DeviceVerdict(xp.zeros((2, 0), xp.int64))
 
     logits = target_logits.astype(xp.float32, copy=False)
-    first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)])  # [B+1] bounds of each request's rows
     if accept_policy == "normal" and drafts.size and not drawn_rows(inp.rows).size:
         # no row draws: under every strategy a draft passes iff it is its row's argmax
-        tokens = argmax_rows(xp, penalized_logits(xp, logits, inp.rows))  # [R]
-        padded = np.concatenate([inp.draft_token_ids, np.zeros((batch, 1), np.int64)], axis=1)  # [B, K+1]
-        row_draft = padded[np.arange(k + 1) <= inp.num_drafts[:, None]]  # [R] the draft each row scores (bonus: any)
-        uploaded = to_device(xp, np.concatenate([row_draft, first_row]).astype(np.int64, copy=False))  # one copy
-        return DeviceVerdict(accept_matching_runs(xp, tokens, uploaded))
+        return DeviceVerdict(greedy_runs(xp, penalized_logits(xp, logits, inp.rows), inp.draft_token_ids,
+                                         inp.num_drafts))
+    first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)])  # [B+1] bounds of each request's rows
     layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
     target = score_rows(xp, logits, inp.rows, layout)
     if accept_policy != "normal" or not layout.rows.size:
