@@ -167,12 +167,17 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
     assert max(s.sequences for s in shapes) == 6 and min(s.sequences for s in shapes) >= 1
 
 
-def test_the_engine_learns_step_costs_while_the_next_step_runs(tiny_gguf):
+def test_the_engine_learns_step_costs_while_the_next_step_runs(tiny_gguf, monkeypatch):
     """Judging an observed step (which solves a cost fit now and then) waits until the next step is
-    launched: it stays out of the host's gap between a drafting step and the next."""
+    launched: it stays out of the host's gap between a drafting step and the next. Steps launch on
+    the event loop, as on a GPU (worker.InlineSteps)."""
+    import cupyspec.engine as engine_module
+    from cupyspec.worker import InlineSteps
+
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
     async def main():
+        monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
         events, launch, learn = [], engine.runner.launch, engine.drafter.learn_step_costs
         engine.runner.launch = lambda inputs: (events.append("launch"), launch(inputs))[1]
