@@ -11,6 +11,7 @@ back in one.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -91,10 +92,14 @@ class LogprobLayout:
     def num_draft_slots(self) -> int:
         return int(self.draft_offset[-1])
 
+    @functools.cached_property
+    def flat(self) -> np.ndarray:
+        """[3L + 2B + 1] int64: the arrays, in order, as UploadedLayout.packed starts."""
+        return np.concatenate([self.row_target, self.row_seq, self.row_pos, self.wants_tokens, self.draft_offset])
+
     def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
         """The layout, drafts [B, K] and num_drafts [B] on the device, in one copy."""
-        parts = (self.row_target, self.row_seq, self.row_pos, self.wants_tokens, self.draft_offset, drafts, num_drafts)
-        packed = to_device(xp, np.concatenate([np.ravel(a) for a in parts]).astype(np.int64, copy=False))
+        packed = to_device(xp, np.concatenate([self.flat, drafts.ravel(), num_drafts]).astype(np.int64, copy=False))
         return UploadedLayout(packed, len(num_drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
 
 

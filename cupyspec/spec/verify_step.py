@@ -10,6 +10,8 @@ one. `PendingVerdict.result` waits.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,8 @@ from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLog
                                          gathered_on_host)
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
+
+LAYOUTS_CACHED = 64  # logprob layouts kept (`_layout`)
 
 
 @dataclass(frozen=True)
@@ -84,10 +88,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
-    wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
-    wants_drafts = np.array(wanted.include_drafts)
-    first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)]).astype(np.int64)  # [B+1]
-    layout = LogprobLayout.build(first_row, inp.num_drafts, wants_tokens, wants_drafts)
+    layout, wants_tokens, wants_drafts = _layout(wanted, inp.num_drafts.tobytes())
     k = max((k or 0) for k in wanted.top_logprobs)
     if side_stream is None:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
@@ -112,6 +113,22 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
                 _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
     return PendingVerdict(len(inp.num_drafts), verdict, HostTransfer(xp, [buffer]), records)
+
+
+@functools.lru_cache(maxsize=LAYOUTS_CACHED)
+def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, np.ndarray, np.ndarray]:
+    """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
+    drafts each, with the wants [B] bool of tokens and of drafts; read-only. Made once per such
+    step: at one sequence most steps repeat the step before, and building it took some 80 µs of
+    NumPy calls on the H100's host (the launch of a verifying step is on the host's critical path)."""
+    counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
+    wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
+    wants_drafts = np.array(wanted.include_drafts)
+    first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
+    layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts)
+    for array in (wants_tokens, wants_drafts, *(getattr(layout, f.name) for f in dataclasses.fields(layout))):
+        array.flags.writeable = False
+    return layout, wants_tokens, wants_drafts
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
