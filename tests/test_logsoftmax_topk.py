@@ -1,4 +1,5 @@
-"""cuda/logsoftmax_topk.cu against its twin: normalizers and top-k with ties, row subsets, small vocabularies."""
+"""cuda/logsoftmax_topk.cu against its twin: normalizers and top-k with ties, row subsets, small vocabularies,
+both kernels (up to 8 candidates a thread, and 20)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("num_rows,vocab,k", [(1, 49152, 0), (7, 49152, 5), (300, 49152, 20), (4, 100, 20),
-                                              (3, 20, 20), (65, 151936, 3)])
+                                              (3, 20, 20), (65, 151936, 3), (9, 49152, 8), (9, 49152, 9),
+                                              (2, 8, 8)])  # the kernel of 8 candidates up to k = 8, then of 20
 @pytest.mark.parametrize("ties", [False, True])
 def test_kernel_matches_twin(num_rows: int, vocab: int, k: int, ties: bool) -> None:
     import cupy

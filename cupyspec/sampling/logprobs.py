@@ -56,7 +56,8 @@ def _check_logits(logits: Any, k: int) -> None:
         raise ValueError(f"k must lie in [0, {logits.shape[1]}] (the vocabulary size), got {k}")
 
 
-KERNEL_MAX_K = 20  # cuda/logsoftmax_topk.cu keeps at most this many candidates per thread
+KERNEL_MAX_K = 20  # cuda/logsoftmax_topk.cu keeps at most this many candidates per thread ...
+KERNEL_SMALL_K = 8  # ... and as few as this in its other kernel, for k up to it
 KERNEL_THREADS = 1024  # THREADS in cuda/logsoftmax_topk.cu
 NULL_POINTER = np.int64(0)  # a kernel argument that passes a null pointer
 
@@ -75,7 +76,7 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
     else:
         chosen_lps, peak, log_total = cp.empty(count, cp.float32), None, None
     if count:
-        load_kernel("logsoftmax_topk", "logsoftmax_topk")(
+        load_kernel("logsoftmax_topk", "logsoftmax_top8" if k <= KERNEL_SMALL_K else "logsoftmax_top20")(
             (count,), (KERNEL_THREADS,), tuple(NULL_POINTER if a is None else a for a in (
                 cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
                 None if rows is None else cp.ascontiguousarray(rows, dtype=cp.int64), np.int32(k), chosen_ids, chosen_lps,
