@@ -13,6 +13,7 @@ from cupyspec.metrics import EngineMetrics
 from cupyspec.outputs import (CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob,
                               merge_deltas)
 from cupyspec.runner import SeqStepOutput
+from cupyspec.sampling.logprob_json import LogprobsJSON
 from cupyspec.scheduler import Scheduler, SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.spec.stats import SpecStats
@@ -197,23 +198,27 @@ class OutputProcessor:
             request.first_token_time = now
             self.metrics.observe_ttft(now - request.arrival_time)
         params = seq.params
-        logprobs = out.logprobs[:len(kept)] if params.logprobs is not None else None
+        logprobs = out.logprobs[:len(kept)] if out.logprobs is not None else None
+        rendered = out.logprobs_json.head(len(kept)) if out.logprobs_json is not None else None
         drafts = (out.draft_logprobs or ()) if params.include_draft_logprobs else None
         if delta.finish_reason is not None:
-            self._close(request, seq, delta.finish_reason, delta.text, kept, logprobs, delta.stop_reason, drafts)
+            self._close(request, seq, delta.finish_reason, delta.text, kept, logprobs, delta.stop_reason, drafts,
+                        rendered)
         else:
-            request.pending.append(CompletionDelta(seq.choice_index, delta.text, kept, logprobs, None, None, drafts))
+            request.pending.append(CompletionDelta(seq.choice_index, delta.text, kept, logprobs, None, None, drafts,
+                                                   rendered))
         return len(kept)
 
     def _close(self, request: RequestState, seq: Sequence, reason: str, text: str, tokens: tuple[int, ...] = (),
                logprobs: tuple[TokenLogprob, ...] | None = None, stop_reason: str | int | None = None,
-               draft_logprobs: tuple[DraftLogprob, ...] | None = None) -> None:
+               draft_logprobs: tuple[DraftLogprob, ...] | None = None, logprobs_json: LogprobsJSON | None = None,
+               ) -> None:
         self.scheduler.finish(seq, reason)
         seq.stop_reason = stop_reason
         while seq.awaits_token:  # places held for tokens it will not get
             seq.output_token_ids.pop()
         request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason,
-                                               draft_logprobs))
+                                               draft_logprobs, logprobs_json))
         request.choice_ended = True
         self.on_sequence_finished(seq)
 

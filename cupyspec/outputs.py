@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
+from cupyspec.sampling.logprob_json import LogprobsJSON
 from cupyspec.spec.stats import SpecStats
 
 T = TypeVar("T")
@@ -53,22 +54,27 @@ class CompletionDelta:
     finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     draft_logprobs: tuple[DraftLogprob, ...] | None = None  # drafts proposed for this delta, when asked for
+    logprobs_json: LogprobsJSON | None = None  # instead of `logprobs`, with SamplingParams.render_logprobs
 
     def __init__(self, index: int, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
                  finish_reason: str | None = None, stop_reason: str | int | None = None,
-                 draft_logprobs: tuple[DraftLogprob, ...] | None = None) -> None:
+                 draft_logprobs: tuple[DraftLogprob, ...] | None = None,
+                 logprobs_json: LogprobsJSON | None = None) -> None:
         # The engine makes one per choice and step: fill the frozen fields directly, three times
         # faster than the generated __init__ (object.__setattr__ per field).
         self.__dict__.update(index=index, text=text, token_ids=token_ids, logprobs=logprobs,
-                             finish_reason=finish_reason, stop_reason=stop_reason, draft_logprobs=draft_logprobs)
+                             finish_reason=finish_reason, stop_reason=stop_reason, draft_logprobs=draft_logprobs,
+                             logprobs_json=logprobs_json)
 
     @classmethod
     def concat(cls, parts: Sequence[CompletionDelta]) -> CompletionDelta:
         """One choice's successive deltas as one: texts, tokens and logprobs joined, the last one's finish."""
         last = parts[-1]
+        rendered = [p.logprobs_json for p in parts if p.logprobs_json is not None]
         return cls(last.index, "".join(p.text for p in parts), tuple(t for p in parts for t in p.token_ids),
                    _concat_optional([p.logprobs for p in parts]), last.finish_reason, last.stop_reason,
-                   _concat_optional([p.draft_logprobs for p in parts]))
+                   _concat_optional([p.draft_logprobs for p in parts]),
+                   LogprobsJSON.concat(rendered) if rendered else None)
 
 
 def _concat_optional(parts: list[tuple[T, ...] | None]) -> tuple[T, ...] | None:

@@ -15,6 +15,7 @@ engine can form and launch step N+1 before it has seen the tokens of step N (ove
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,6 +26,7 @@ from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
+from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
 from cupyspec.sampling.logprobs import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplerOutput, SamplingRow, sample_on_device
@@ -34,7 +36,11 @@ from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
 from cupyspec.spec.verify_step import LogprobRequests, PendingVerdict, StepVerdict, launch_verify
+from cupyspec.token_text import TokenText
 from cupyspec.transfer import HostTransfer, to_device
+
+
+SAMPLER_ARRAYS = 4  # sample_on_device's arrays when a row asks for logprobs: tokens, logprobs, top ids and logprobs
 
 
 class StepInputs(NamedTuple):
@@ -63,6 +69,7 @@ class SeqStepOutput(NamedTuple):
     accepted: tuple[bool, ...] = ()  # per draft
     draft_logprobs: tuple[DraftLogprob, ...] | None = None  # per draft, when asked
     prompt_logprobs: tuple[tuple[int, TokenLogprob], ...] = ()  # (prompt position, logprob)
+    logprobs_json: LogprobsJSON | None = None  # one entry per emitted token, when asked rendered
 
 
 class LaunchedStep(NamedTuple):
@@ -161,9 +168,11 @@ def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
                  overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0,
-                 max_num_seqs: int = 256) -> None:
-        """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none)."""
+                 max_num_seqs: int = 256, token_text: TokenText | None = None) -> None:
+        """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none).
+        token_text: the tokens' texts, for logprobs rendered as chat JSON entries."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
+        self.token_text = token_text
         xp = backend.xp
         cuda = xp.cuda if backend.is_cuda else None
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
@@ -172,6 +181,13 @@ class ModelRunner:
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)
+
+    @functools.cached_property
+    def renderer(self) -> LogprobRenderer:
+        """Renders chat logprob entries; its vocabulary table is built on first use."""
+        if self.token_text is None:
+            raise ValueError("rendering logprobs needs the tokens' texts (ModelRunner's token_text)")
+        return LogprobRenderer(self.backend.xp, VocabJSON.build(self.token_text, self.model.config.vocab_size))
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
@@ -201,7 +217,8 @@ class ModelRunner:
             drafts=_drafts_array(targets.drafts),
             num_drafts=np.array([len(d) for d in targets.drafts], dtype=np.int64),
             logprobs=LogprobRequests(tuple(p.logprobs for p in targets.params),
-                                     tuple(p.include_draft_logprobs for p in targets.params)),
+                                     tuple(p.include_draft_logprobs for p in targets.params),
+                                     tuple(p.render_logprobs for p in targets.params)),
             prompt_rows=np.array(prompt.rows, dtype=np.int64),
             prompt_targets=np.array(prompt.targets, dtype=np.int64),
             prompt_owner=tuple(prompt.owner),
@@ -219,10 +236,14 @@ class ModelRunner:
                     xp, target_logits,
                     VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
                     inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
-                    self.logprob_stream)
+                    self.logprob_stream, self.renderer if inputs.logprobs.renders else None)
             elif target_logits is not None:
                 arrays = sample_on_device(xp, target_logits, list(inputs.sampling))
                 self.sampled_tokens[:len(inputs.owners)] = arrays[0]
+                if inputs.logprobs.renders:  # each row is its request's: entries of its token
+                    rows = len(inputs.owners)
+                    arrays.append(self.renderer.render(xp, *arrays, arrays[2].shape[1],
+                                                       to_device(xp, inputs.logprobs.render_k), rows, rows))
             num_sample_arrays = len(arrays)
             if prompt_logits is not None:
                 k_max = max(k for _, _, k in inputs.prompt_owner)
@@ -237,7 +258,9 @@ class ModelRunner:
         if step.verdict is not None:
             by_sampler = _verified_outputs(step.verdict.result(logprobs), inputs)
         elif step.num_sample_arrays:
-            by_sampler = _sampled_outputs(SamplerOutput.from_host(host[:step.num_sample_arrays]), inputs)
+            sampled = host[:step.num_sample_arrays]
+            by_sampler = _sampled_outputs(SamplerOutput.from_host(sampled[:SAMPLER_ARRAYS]), sampled[SAMPLER_ARRAYS:],
+                                          inputs, self.renderer if inputs.logprobs.renders else None)
         else:
             by_sampler = {}
         for s, out in by_sampler.items():
@@ -252,10 +275,11 @@ class ModelRunner:
         (a plain step's come with its tokens)."""
         if step.verdict is None or not step.inputs.logprobs.any:
             return outputs
-        token_lps, draft_lps = step.verdict.logprobs()
+        logprobs = step.verdict.logprobs()
         outputs = list(outputs)
         for s, i in enumerate(step.inputs.owners):
-            outputs[i] = outputs[i]._replace(logprobs=token_lps[s], draft_logprobs=draft_lps[s])
+            outputs[i] = outputs[i]._replace(logprobs=logprobs.tokens[s], draft_logprobs=logprobs.drafts[s],
+                                             logprobs_json=logprobs.rendered[s])
         return outputs
 
     def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None]:
@@ -281,22 +305,33 @@ def _verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqSte
     """Each sampling sequence's tokens (and logprobs, when asked) from a speculative step's verdict:
     its accepted drafts, then the bonus or correction token."""
     drafts, num_drafts = inputs.drafts.tolist(), inputs.num_drafts.tolist()  # whole arrays at once
+    logprobs = step.logprobs
     outputs = {}
     for s, (n, emitted) in enumerate(zip(step.num_accepted, step.emitted)):
-        outputs[s] = SeqStepOutput((*drafts[s][:n], emitted), step.token_logprobs[s], num_drafts[s],
-                                   (True,) * n + (False,) * (num_drafts[s] - n), draft_logprobs=step.draft_logprobs[s])
+        outputs[s] = SeqStepOutput((*drafts[s][:n], emitted), logprobs.tokens[s], num_drafts[s],
+                                   (True,) * n + (False,) * (num_drafts[s] - n), draft_logprobs=logprobs.drafts[s],
+                                   logprobs_json=logprobs.rendered[s])
     return outputs
 
 
-def _sampled_outputs(out: SamplerOutput, inputs: StepInputs) -> dict[int, SeqStepOutput]:
-    """Each sampling sequence's one token (and its logprobs, when asked) from a plain step."""
+def _sampled_outputs(out: SamplerOutput, rendered: list[np.ndarray], inputs: StepInputs,
+                     renderer: LogprobRenderer | None) -> dict[int, SeqStepOutput]:
+    """Each sampling sequence's one token (and its logprobs, when asked) from a plain step;
+    rendered: [the host copy of the rendered entries], when a request asked for them."""
     token_ids = out.token_ids.tolist()
     wanted = inputs.logprobs.top_logprobs
     if out.logprobs is None:
         return {s: SeqStepOutput((token,)) for s, token in enumerate(token_ids)}
+    entries = [None] * len(token_ids)
+    if renderer is not None:
+        render_k = inputs.logprobs.render_k
+        rows = len(token_ids)
+        entries = renderer.entries(rendered[0], rows, [(s, s + 1) if k >= 0 else None for s, k in enumerate(render_k.tolist())],
+                                   lambda: (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs,
+                                            out.top_token_ids.shape[1], render_k, rows, rows))
     lps, top_ids, top_lps = out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist()  # whole
-    return {s: SeqStepOutput((token_ids[s],), None if k is None else (
-        TokenLogprob(token_ids[s], lps[s], top_ids[s][:k], top_lps[s][:k]),))
+    return {s: SeqStepOutput((token_ids[s],), None if k is None or entries[s] is not None else (
+        TokenLogprob(token_ids[s], lps[s], top_ids[s][:k], top_lps[s][:k]),), logprobs_json=entries[s])
         for s, k in enumerate(wanted)}
 
 

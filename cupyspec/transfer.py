@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 ALIGNMENT = 16  # bytes: each array's place in the pinned buffer starts at a multiple of this
+MIN_PINNED_BYTES = 1 << 12  # pinned buffers are powers of two from this size up
 
 
 class HostTransfer:
@@ -28,7 +29,7 @@ class HostTransfer:
 
         sources = [xp.ascontiguousarray(a) for a in arrays]
         offsets = list(itertools.accumulate((-(-a.nbytes // ALIGNMENT) * ALIGNMENT for a in sources), initial=0))
-        host = cupyx.empty_pinned(offsets[-1], np.uint8)  # [bytes]
+        host = cupyx.empty_pinned(pinned_size(offsets[-1]), np.uint8)  # [bytes]
         base, runtime, stream = host.ctypes.data, xp.cuda.runtime, xp.cuda.get_current_stream()
         for a, offset in zip(sources, offsets):
             if a.nbytes:
@@ -48,6 +49,13 @@ class HostTransfer:
             self._event.synchronize()
             self._event = self._sources = None
         return self._arrays
+
+
+def pinned_size(nbytes: int) -> int:
+    """The pinned buffer for nbytes: the next power of two, so that CuPy's pinned pool, which reuses a
+    freed buffer for a request of the same size only, finds one again and again (steps bring results
+    of ever different sizes; a fresh page-locked allocation costs the host far more than a copy)."""
+    return max(MIN_PINNED_BYTES, 1 << (nbytes - 1).bit_length())
 
 
 def fetch_arrays(xp: Any, arrays: list[Any]) -> list[np.ndarray]:

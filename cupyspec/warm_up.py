@@ -3,7 +3,8 @@ kernel compiled (or a memory pool grown) on first use.
 
 On a GPU each CUDA and CuPy kernel compiles the first time it runs, some 0.1 to 1 s apiece: greedy
 and random sampling, top-k/top-p/min-p, penalties, logprobs, prompt logprobs, and under
-speculation verification with and without logprobs. The warm-up sends requests that use them
+speculation verification with and without logprobs, and logprobs rendered as chat JSON (whose
+vocabulary table is built then). The warm-up sends requests that use them
 all, with a stand-in proposer that always drafts (the real one never sees them), then forgets
 them: metrics and the learned step costs start afresh (`AsyncEngine.create` resets them). Last,
 a prompt of more rows than the matrix-product kernels take, where cuBLAS runs: its first use
@@ -37,6 +38,7 @@ WARM_UP_REQUESTS = (
                    ignore_eos=True, logprobs=2, prompt_logprobs=1, include_draft_logprobs=True),
     SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
                    seed=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    SamplingParams(temperature=0.0, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5, render_logprobs=True),
 )
 
 

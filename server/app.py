@@ -11,8 +11,8 @@ from cupyspec.server.chat import handle_chat
 from cupyspec.server.completions import handle_completions
 from cupyspec.server.context import CONTEXT, ServerContext, json_response
 from cupyspec.server.errors import error_middleware
-from cupyspec.server.logprobs import TokenText
 from cupyspec.server.protocol import ModelCard, ModelList
+from cupyspec.token_text import TokenText
 
 if TYPE_CHECKING:
     from cupyspec.engine import AsyncEngine

@@ -21,14 +21,17 @@ from aiohttp import web
 
 from cupyspec.outputs import CompletionDelta
 from cupyspec.server.context import ServerContext, decode_body, json_response
-from cupyspec.server.logprobs import chat_draft_logprobs, chat_logprobs
+from cupyspec.sampling.logprob_json import LogprobsJSON
+from cupyspec.server.logprobs import chat_draft_logprobs
 from cupyspec.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatDraftLogprobs,
-                                      ChatDraftTokenLogprob, ChatLogprobs, ChatTokenLogprob)
+                                      ChatDraftTokenLogprob, ChatLogprobs)
 from cupyspec.server.sampling import chat_messages, chat_params
 from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
 from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
                                        write_sse)
+
+EMPTY_ENTRIES = LogprobsJSON(b"", ())
 
 
 class ChatJob:
@@ -42,10 +45,13 @@ class ChatJob:
         self.usage = UsageCounter()
         self.spec = SpeculateMetricsSum(1)
 
-    def _logprobs(self, delta: CompletionDelta) -> list[ChatTokenLogprob] | None:
-        if not self.req.logprobs or delta.logprobs is None:
+    def _logprobs(self, delta: CompletionDelta) -> LogprobsJSON | None:
+        """The delta's `logprobs.content` entries, rendered by the engine (SamplingParams.render_logprobs)."""
+        if not self.req.logprobs:
             return None
-        return chat_logprobs(self.ctx.token_text, delta.logprobs)
+        if delta.logprobs_json is None and delta.token_ids:
+            raise RuntimeError("the engine sent tokens without their rendered logprobs")
+        return delta.logprobs_json or EMPTY_ENTRIES  # a delta without tokens: none
 
     def _draft_logprobs(self, delta: CompletionDelta) -> list[ChatDraftTokenLogprob] | None:
         if not self.req.include_draft_logprobs:
@@ -81,7 +87,7 @@ class ChatJob:
                 content, drafts = self._logprobs(delta), self._draft_logprobs(delta)
                 choice = ChatChunkChoice(
                     index=delta.index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
-                    logprobs=ChatLogprobs(content) if content is not None else None,
+                    logprobs=ChatLogprobs(msgspec.Raw(content.json())) if content is not None else None,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                     draft_logprobs=ChatDraftLogprobs(drafts) if drafts is not None else msgspec.UNSET)
                 yield self._chunk([choice], last=last and not usage_chunk)
@@ -90,18 +96,19 @@ class ChatJob:
 
     async def response(self) -> ChatCompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self.n)]
-        logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(self.n)]
+        logprobs: list[list[LogprobsJSON]] = [[] for _ in range(self.n)]
         drafts: list[list[ChatDraftTokenLogprob]] = [[] for _ in range(self.n)]
         finals: list[CompletionDelta | None] = [None] * self.n
         async with aclosing(self.deltas()) as deltas:
             async for delta, _last in deltas:
                 texts[delta.index].append(delta.text)
-                logprobs[delta.index] += self._logprobs(delta) or []
+                logprobs[delta.index] += [self._logprobs(delta) or EMPTY_ENTRIES]
                 drafts[delta.index] += self._draft_logprobs(delta) or []
                 finals[delta.index] = delta
         choices = [
             ChatChoice(index=i, message=AssistantMessage(role="assistant", content="".join(texts[i])),
-                       logprobs=ChatLogprobs(logprobs[i]) if self.req.logprobs else None,
+                       logprobs=ChatLogprobs(msgspec.Raw(LogprobsJSON.concat(logprobs[i]).json()))
+                       if self.req.logprobs else None,
                        finish_reason=final.finish_reason if final else None,
                        stop_reason=final.stop_reason if final else None,
                        draft_logprobs=ChatDraftLogprobs(drafts[i]) if self.req.include_draft_logprobs

@@ -4,46 +4,15 @@ for emitted tokens and for proposed drafts (the same entries plus `accepted`).""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from cupyspec.outputs import DraftLogprob, TokenLogprob
+from cupyspec.sampling.logprob_json import MIN_LOGPROB
 from cupyspec.server.protocol import (ChatDraftTokenLogprob, ChatTokenLogprob, CompletionDraftLogprobs,
                                       CompletionLogprobs, TopLogprob)
-
-# JSON has no -inf; a token the model rules out gets this floor, as vLLM reports it.
-MIN_LOGPROB = -9999.0
+from cupyspec.token_text import TokenText
 
 L = TypeVar("L", bound=CompletionLogprobs)
-
-
-class TokenBytes(Protocol):
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-class TokenText:
-    """Token ids to their display strings and raw bytes, cached (the vocabulary is bounded)."""
-
-    def __init__(self, tokenizer: TokenBytes) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def entry(self, token_id: int) -> tuple[str, list[int]]:
-        """(text, bytes) of the token; the bytes list is shared: do not change it."""
-        entry = self._cache.get(token_id)
-        if entry is None:
-            raw = self._tokenizer.token_bytes(token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:  # part of a multi-byte character: show the bytes, like vLLM
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            entry = self._cache[token_id] = (text, list(raw))
-        return entry
-
-    def text(self, token_id: int) -> str:
-        return self.entry(token_id)[0]
-
-    def bytes(self, token_id: int) -> list[int]:
-        return self.entry(token_id)[1]
 
 
 def clamp(logprob: float) -> float:
@@ -104,18 +73,13 @@ def merge_completion_logprobs(parts: Sequence[L], kind: type[L]) -> L:
 
 
 def _chat_fields(texts: TokenText, entry: TokenLogprob) -> tuple[str, float, list[int], list[TopLogprob]]:
-    """ChatTokenLogprob's fields, in order (positional: the server renders one per emitted token)."""
+    """ChatTokenLogprob's fields, in order (positional: the server makes one per draft)."""
     entry_of, top = texts.entry, []
     for token_id, logprob in zip(entry.top_ids, entry.top_logprobs):
         text, raw = entry_of(token_id)
         top.append(TopLogprob(text, clamp(logprob), raw))
     text, raw = entry_of(entry.token_id)
     return text, clamp(entry.logprob), raw, top
-
-
-def chat_logprobs(texts: TokenText, logprobs: Sequence[TokenLogprob]) -> list[ChatTokenLogprob]:
-    """Chat `logprobs.content` entries: each token with its bytes and the top alternatives."""
-    return [ChatTokenLogprob(*_chat_fields(texts, entry)) for entry in logprobs]
 
 
 def chat_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob]) -> list[ChatDraftTokenLogprob]:

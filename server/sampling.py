@@ -19,7 +19,7 @@ def _invalid(message: str, param: str) -> APIError:
 
 
 def _sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None, render_logprobs: bool = False) -> SamplingParams:
     """The shared fields of both endpoints; SamplingParams raises InvalidRequestError on bad values."""
     if req.logit_bias:
         raise _invalid("logit_bias is not supported", "logit_bias")
@@ -44,6 +44,7 @@ def _sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: i
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         include_draft_logprobs=bool(req.include_draft_logprobs),
+        render_logprobs=render_logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
     )
 
@@ -91,7 +92,7 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = req.max_completion_tokens if use_completion_tokens else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
-        return _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        return _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, render_logprobs=True)
     except InvalidRequestError as exc:  # name the chat field the client used
         renamed = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if use_completion_tokens else "max_tokens"}

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
                                          gathered_on_host)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
 from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.token_text import TokenText
 from cupyspec.transfer import fetch_arrays
+
+
+class NumberTokenizer:
+    """Token i is the text of i."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return str(token_id).encode()
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -94,11 +105,35 @@ def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted
                                 "rejection", "normal")
     verified = VerifyOutput.of(inp, np.array(step.num_accepted), np.array(step.emitted))
     np.testing.assert_array_equal(verified.output_token_ids, plain.output_token_ids)
-    assert step.token_logprobs[0] is None and step.token_logprobs[2] is None
-    assert [lp.token_id for lp in step.token_logprobs[1]] == plain.output_token_ids[1, :plain.accept_num[1]].tolist()
-    assert step.draft_logprobs[:2] == (None, None) and len(step.draft_logprobs[2]) == 4
-    assert [d.accepted for d in step.draft_logprobs[2]] == plain.accepted_mask[2].tolist()
-    assert all(d.top == () for d in step.draft_logprobs[2])  # no top logprobs asked by that request
+    assert step.logprobs.tokens[0] is None and step.logprobs.tokens[2] is None
+    assert [lp.token_id for lp in step.logprobs.tokens[1]] == plain.output_token_ids[1, :plain.accept_num[1]].tolist()
+    assert step.logprobs.drafts[:2] == (None, None) and len(step.logprobs.drafts[2]) == 4
+    assert [d.accepted for d in step.logprobs.drafts[2]] == plain.accepted_mask[2].tolist()
+    assert all(d.top == () for d in step.logprobs.drafts[2])  # no top logprobs asked by that request
+
+
+def test_each_request_gets_records_of_its_own_top_k() -> None:
+    rng = np.random.default_rng(5)
+    vocab, k_asked = 40, (1, 3, None, 0)
+    num_drafts = np.array([2, 3, 1, 2])
+    padded = np.full((4, 3), PLACEHOLDER_TOKEN_ID, np.int64)
+    for b, n in enumerate(num_drafts):
+        padded[b, :n] = rng.integers(0, vocab, n)
+    rows = tuple(SamplingRow(SamplingParams(temperature=0.0), 0.0) for _ in range(int((num_drafts + 1).sum())))
+    logits = rng.standard_normal((len(rows), vocab)).astype(np.float32)
+    first_row = np.concatenate([[0], np.cumsum(num_drafts + 1)])
+    padded[0, :2] = logits[:2].argmax(axis=1)  # request 0 keeps both drafts: three records
+    inp = VerifyInput(padded, num_drafts, None, rows, np.zeros(len(rows)))
+    step = verify_with_logprobs(np, logits, inp, LogprobRequests(k_asked, (True,) * 4), "rejection", "normal")
+    assert step.logprobs.tokens[2] is None and step.num_accepted[0] == 2
+    for b, k in enumerate(k_asked):
+        for entries in (step.logprobs.tokens[b] or (), step.logprobs.drafts[b]):
+            for j, entry in enumerate(entries):
+                lps = log_softmax(logits[first_row[b] + j])
+                top = np.argsort(-lps, kind="stable")[:k or 0].tolist()
+                assert isinstance(entry, tuple) and abs(entry.logprob - lps[entry.token_id]) < 1e-5
+                assert list(entry.top_ids) == top and np.allclose(entry.top_logprobs, lps[top], atol=1e-5)
+    assert [len(e) for e in step.logprobs.tokens if e is not None] == [3, step.num_accepted[1] + 1, step.num_accepted[3] + 1]
 
 
 # ---------------------------------------------------------------- device
@@ -137,13 +172,22 @@ def test_overlapped_step_equals_the_host_step(overlap: bool) -> None:
         for j, d in enumerate(drafts[b]):
             if rng.random() < 0.5:
                 logits[int((num_drafts[:b] + 1).sum()) + j, d] = 30.0
-    wanted = LogprobRequests(tuple(5 if b % 3 else None for b in range(batch)), tuple(b % 2 == 0 for b in range(batch)))
-    host = verify_with_logprobs(np, logits, inp, wanted, "rejection", "normal")
+    wanted = LogprobRequests(tuple(5 if b % 3 else None for b in range(batch)), tuple(b % 2 == 0 for b in range(batch)),
+                             tuple(b % 4 == 1 for b in range(batch)))  # some requests' entries rendered
+    vocab_json = VocabJSON.build(TokenText(NumberTokenizer()), vocab)
+    host = verify_with_logprobs(np, logits, inp, wanted, "rejection", "normal", None, LogprobRenderer(np, vocab_json))
     stream = cupy.cuda.Stream(non_blocking=True) if overlap else None
-    device = verify_with_logprobs(cupy, cupy.asarray(logits), inp, wanted, "rejection", "normal", stream)
+    device = verify_with_logprobs(cupy, cupy.asarray(logits), inp, wanted, "rejection", "normal", stream,
+                                  LogprobRenderer(cupy, vocab_json))
     assert (device.num_accepted, device.emitted) == (host.num_accepted, host.emitted)
-    assert sum(host.num_accepted) > 0
-    for want, got in [(host.token_logprobs, device.token_logprobs), (host.draft_logprobs, device.draft_logprobs)]:
+    assert sum(host.num_accepted) > 0 and any(host.logprobs.rendered)
+    for want, got in zip(host.logprobs.rendered, device.logprobs.rendered):
+        assert (want is None) == (got is None)
+        if want is not None:
+            w, g = json.loads(want.json()), json.loads(got.json())
+            assert [e["token"] for e in w] == [e["token"] for e in g]
+            assert np.allclose([e["logprob"] for e in w], [e["logprob"] for e in g], atol=1e-4)
+    for want, got in [(host.logprobs.tokens, device.logprobs.tokens), (host.logprobs.drafts, device.logprobs.drafts)]:
         for w, g in zip(want, got):
             assert (w is None) == (g is None)
             for a, b in zip(w or (), g or ()):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
+from cupyspec.token_text import TokenText
 from tiny_models import tiny_model_paths
 
 TOP = 3
@@ -42,13 +45,15 @@ async def make_engine(path: str, **spec) -> AsyncEngine:
 
 
 async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, k: int | None = None) -> dict:
-    result: dict = {"tokens": [], "logprobs": [], "drafts": [], "steps": []}
+    result: dict = {"tokens": [], "logprobs": [], "drafts": [], "steps": [], "rendered": [], "text": ""}
     async for out in engine.generate(prompt, params, speculation=RequestSpeculation(k)):
         for d in out.deltas:
             result["steps"].append((len(result["tokens"]), d.draft_logprobs or ()))  # (position, drafts)
             result["tokens"] += d.token_ids
+            result["text"] += d.text
             result["logprobs"] += d.logprobs or ()
             result["drafts"] += d.draft_logprobs or ()
+            result["rendered"] += [d.logprobs_json] if d.logprobs_json is not None else []
             result["draft_field"] = d.draft_logprobs
         result["out"] = out
     return result
@@ -100,6 +105,41 @@ def test_logprobs_do_not_change_with_speculation(tiny_gguf, method, params):
             assert_same_logprobs(w["logprobs"], g["logprobs"])
     accepted = sum(o["out"].speculate_metrics.num_accepted_tokens for outs in got.values() for o in outs)
     assert accepted > 0  # drafts were taken
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "suffix"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_rendered_logprobs_equal_the_records(tiny_gguf, method, params):
+    """Chat JSON entries (SamplingParams.render_logprobs), plain or speculative, against the records
+    of plain decoding: one entry per token, the same tokens, ranks and logprobs; also where a stop
+    string cuts a step's tokens."""
+    strategy = "rejection" if params.greedy else "target_match"
+
+    async def main():
+        plain = await make_engine(tiny_gguf)
+        want = await asyncio.gather(*(collect(plain, p, params) for p in prompts()))
+        stops = [replace(params, stop=(w["text"][9:12],)) for w in want]  # each ends mid-run
+        want += await asyncio.gather(*(collect(plain, p, stop) for p, stop in zip(prompts(), stops)))
+        texts = TokenText(plain.tokenizer)
+        await plain.shutdown()
+        spec = dict(method=method, num_speculative_tokens=5, verify_strategy=strategy) if method else {}
+        engine = await make_engine(tiny_gguf, **spec)
+        got = await asyncio.gather(*(collect(engine, p, replace(each, render_logprobs=True), 3 if method else None)
+                                     for p, each in zip(prompts() * 2, [params] * len(stops) + stops)))
+        await engine.shutdown()
+        return want, got, texts
+
+    want, got, texts = asyncio.run(main())
+    assert any(len(w["tokens"]) < params.max_tokens for w in want)  # stopped early
+    for w, g in zip(want, got):
+        assert g["tokens"] == w["tokens"] and not g["logprobs"]
+        entries = [e for part in g["rendered"] for e in json.loads(part.json())]
+        assert len(entries) == len(w["logprobs"]) == sum(map(len, g["rendered"]))
+        for record, entry in zip(w["logprobs"], entries):
+            assert entry["token"] == texts.text(record.token_id) and entry["bytes"] == texts.bytes(record.token_id)
+            assert abs(entry["logprob"] - record.logprob) < 1e-4
+            assert [e["token"] for e in entry["top_logprobs"]] == [texts.text(t) for t in record.top_ids]
+            assert np.allclose([e["logprob"] for e in entry["top_logprobs"]], record.top_logprobs, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])

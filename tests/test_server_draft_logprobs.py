@@ -14,17 +14,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from server_fixtures import LiveServer, tiny_config
+from server_fixtures import LiveServer, render_records, tiny_config
 
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
+from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.server.app import create_app
-from cupyspec.server.logprobs import TokenText, completion_draft_logprobs, merge_completion_logprobs, text_offsets
+from cupyspec.server.logprobs import completion_draft_logprobs, merge_completion_logprobs, text_offsets
 from cupyspec.server.protocol import ChatCompletionRequest, CompletionDraftLogprobs, CompletionRequest
 from cupyspec.server.sampling import chat_params, completion_params
 from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
+from cupyspec.token_text import TokenText
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
@@ -63,6 +66,7 @@ class DraftScriptEngine:
 
     def __init__(self) -> None:
         self.tokenizer = LetterTokenizer()
+        self.renderer = LogprobRenderer(np, VocabJSON.build(TokenText(self.tokenizer), 256))
         self.model_name, self.max_model_len = "scripted", 64
         self.is_serving = True
 
@@ -70,13 +74,16 @@ class DraftScriptEngine:
         emitted, drafts = STEPS[step]
         tokens = tuple(ord(ch) + choice for ch in emitted)
         logprobs = tuple(TokenLogprob(t, -1.0, *top_of(params)) for t in tokens) if params.logprobs is not None else None
+        rendered = None
+        if params.render_logprobs and logprobs is not None:
+            logprobs, rendered = None, render_records(self.renderer, logprobs)
         draft_lps = None
         if params.include_draft_logprobs and speculates:
             draft_lps = tuple(DraftLogprob(ord(ch) + choice, lp, *top_of(params), accepted)
                               for ch, accepted, lp in drafts or ())
         last = step == len(STEPS) - 1
         return CompletionDelta(choice, "".join(map(chr, tokens)), tokens, logprobs, "length" if last else None,
-                               draft_logprobs=draft_lps)
+                               draft_logprobs=draft_lps, logprobs_json=rendered)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:

@@ -8,16 +8,20 @@ import json
 import math
 
 import msgspec
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from server_fixtures import render_records
 
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.server.app import create_app
 from cupyspec.server.errors import APIError, to_api_error
-from cupyspec.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from cupyspec.server.logprobs import completion_logprobs
 from cupyspec.server.protocol import ChatCompletionRequest, CompletionRequest
 from cupyspec.server.sampling import chat_messages, chat_params, completion_params, completion_prompts
+from cupyspec.token_text import TokenText
 
 
 def completion(**body: object) -> CompletionRequest:
@@ -164,11 +168,15 @@ def test_completion_logprobs_format() -> None:
     json.loads(msgspec.json.encode(lp))  # finite numbers only: valid JSON
 
 
+RENDERER = LogprobRenderer(np, VocabJSON.build(TokenText(ByteTokenizer()), 256))
+
+
 def test_chat_logprobs_format() -> None:
-    (entry,) = chat_logprobs(TokenText(ByteTokenizer()), [TokenLogprob(0xC3, -1.5, [0xC3, ord("x")], [-1.5, -2.5])])
-    assert (entry.token, entry.logprob, entry.bytes) == ("bytes:\\xc3", -1.5, [0xC3])
-    assert [(t.token, t.logprob, t.bytes) for t in entry.top_logprobs] == [("bytes:\\xc3", -1.5, [0xC3]),
-                                                                          ("x", -2.5, [120])]
+    record = TokenLogprob(0xC3, -1.5, [0xC3, ord("x")], [-1.5, -2.5])
+    (entry,) = json.loads(render_records(RENDERER, [record]).json())
+    assert entry == {"token": "bytes:\\xc3", "logprob": -1.5, "bytes": [0xC3],
+                     "top_logprobs": [{"token": "bytes:\\xc3", "logprob": -1.5, "bytes": [0xC3]},
+                                      {"token": "x", "logprob": -2.5, "bytes": [120]}]}
 
 
 # ------------------------------------------------------------------------ responses over HTTP
@@ -200,7 +208,11 @@ class ScriptedEngine:
             for c in range(params.n):
                 token = ord("a") + (c + step) % 26
                 lps = (TokenLogprob(token, -1.0, [token], [-1.0]),) if params.logprobs is not None else None
-                deltas.append(CompletionDelta(c, chr(token), (token,), lps, "length" if last else None))
+                if params.render_logprobs:
+                    deltas.append(CompletionDelta(c, chr(token), (token,), None, "length" if last else None,
+                                                  logprobs_json=render_records(RENDERER, lps)))
+                else:
+                    deltas.append(CompletionDelta(c, chr(token), (token,), lps, "length" if last else None))
             yield RequestOutput(request_id, ids, tuple(deltas), len(ids), (step + 1) * params.n, last,
                                 prompt_lps if step == 0 else None)
             if prompt == "late":

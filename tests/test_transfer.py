@@ -1,5 +1,5 @@
-"""HostTransfer: arrays of any dtype and shape come back exactly, empty ones included; to_device
-takes host arrays to the device as they were at the call."""
+"""HostTransfer: arrays of any dtype and shape come back exactly, empty ones included, through pinned
+buffers of a few sizes; to_device takes host arrays to the device as they were at the call."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyspec.transfer import fetch_arrays, to_device
+from cupyspec.transfer import MIN_PINNED_BYTES, HostTransfer, fetch_arrays, pinned_size, to_device
 
 
 def arrays(xp: Any) -> list[Any]:
@@ -46,3 +46,21 @@ def test_an_upload_queued_behind_device_work_takes_the_array_as_it_was_at_the_ca
         host[...] = 0  # the caller may reuse the array at once
         assert device.dtype == sent.dtype and device.shape == sent.shape
         np.testing.assert_array_equal(device.get(), sent)
+
+
+def test_pinned_buffers_come_in_powers_of_two() -> None:
+    assert [pinned_size(n) for n in (0, 1, MIN_PINNED_BYTES, MIN_PINNED_BYTES + 1, 300_000)] == \
+        [MIN_PINNED_BYTES, MIN_PINNED_BYTES, MIN_PINNED_BYTES, 2 * MIN_PINNED_BYTES, 1 << 19]
+
+
+@pytest.mark.gpu
+def test_transfers_of_nearby_sizes_reuse_one_pinned_buffer() -> None:
+    cupy = pytest.importorskip("cupy")
+    addresses = set()
+    for size in range(20_000, 30_000, 1_000):  # a step's results differ in size from the last one's
+        transfer = HostTransfer(cupy, [cupy.ones(size, cupy.uint8)])
+        (host,) = transfer.result()
+        assert host.sum() == size
+        addresses.add(host.ctypes.data)
+        del transfer, host  # back to the pool
+    assert len(addresses) == 1

@@ -31,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
     prompt_logprobs: int | None = None  # same, for the prompt tokens (completions `echo`)
     include_draft_logprobs: bool = False  # each proposed draft's target logprob (top `logprobs` alternatives)
+    render_logprobs: bool = False  # with `logprobs`: as chat JSON entries (CompletionDelta.logprobs_json), not records
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -54,6 +55,7 @@ class SamplingParams:
             need(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
                  f"must be an integer from 0 to {MAX_LOGPROBS}")
         need(isinstance(self.include_draft_logprobs, bool), "include_draft_logprobs", "must be a boolean")
+        need(isinstance(self.render_logprobs, bool), "render_logprobs", "must be a boolean")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
 

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupyspec.kernels import load_kernel
-from cupyspec.sampling.logprobs import top_logprobs_on_device
+from cupyspec.sampling.logprob_json import LogprobRenderer
+from cupyspec.sampling.logprobs import NULL_POINTER, top_logprobs_on_device
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import to_device
 
@@ -43,7 +44,7 @@ class UploadedLayout:
     """A `LogprobLayout` and the drafts on the device: LayoutArrays' fields, flat and in order, in
     one int64 array, which the kernel takes whole (each view CuPy makes costs the host microseconds)."""
 
-    packed: Any  # [3L + 2B + 1 + B*K + B] int64
+    packed: Any  # [3L + 2B + 1 + B*K + B + B] int64 (render_k last)
     num_seqs: int  # B
     num_rows: int  # L
     max_drafts: int  # K
@@ -52,6 +53,10 @@ class UploadedLayout:
     @property
     def row_target(self) -> Any:  # [L]: it comes first
         return self.packed[:self.num_rows]
+
+    @property
+    def render_k(self) -> Any:  # [B]: it comes last
+        return self.packed[len(self.packed) - self.num_seqs:]
 
     def arrays(self) -> LayoutArrays:
         sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
@@ -70,11 +75,13 @@ class LogprobLayout:
     row_pos: np.ndarray  # [L] int64: the row's position j among b's rows (row j scores draft j)
     wants_tokens: np.ndarray  # [B] int64: 1 when b asked for logprobs of its emitted tokens
     draft_offset: np.ndarray  # [B+1] int64: b's drafts take slots draft_offset[b]:draft_offset[b+1]
+    render_k: np.ndarray  # [B] int64: top logprobs of b's rendered entries (logprob_json.py); -1: none
 
     @classmethod
     def build(cls, first_row: np.ndarray, num_drafts: np.ndarray, wants_tokens: np.ndarray,
-              wants_drafts: np.ndarray) -> LogprobLayout:
-        """first_row [B+1] bounds of each request's target rows; num_drafts [B]; the wants [B] bool."""
+              wants_drafts: np.ndarray, render_k: np.ndarray | None = None) -> LogprobLayout:
+        """first_row [B+1] bounds of each request's target rows; num_drafts [B]; the wants [B] bool;
+        render_k [B] (default: no request's entries are rendered)."""
         with_rows = np.flatnonzero(wants_tokens | wants_drafts)  # [B'] requests that get rows
         sizes = num_drafts[with_rows] + 1  # [B']
         row_seq = np.repeat(with_rows, sizes).astype(np.int64)  # [L]
@@ -82,7 +89,8 @@ class LogprobLayout:
         drafts_kept = np.where(wants_drafts, num_drafts, 0)  # [B]
         return cls(row_target=(first_row[row_seq] + row_pos).astype(np.int64), row_seq=row_seq,
                    row_pos=row_pos.astype(np.int64), wants_tokens=wants_tokens.astype(np.int64),
-                   draft_offset=np.concatenate([[0], np.cumsum(drafts_kept)]).astype(np.int64))
+                   draft_offset=np.concatenate([[0], np.cumsum(drafts_kept)]).astype(np.int64),
+                   render_k=np.full(len(num_drafts), -1, np.int64) if render_k is None else render_k.astype(np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -98,8 +106,9 @@ class LogprobLayout:
         return np.concatenate([self.row_target, self.row_seq, self.row_pos, self.wants_tokens, self.draft_offset])
 
     def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
-        """The layout, drafts [B, K] and num_drafts [B] on the device, in one copy."""
-        packed = to_device(xp, np.concatenate([self.flat, drafts.ravel(), num_drafts]).astype(np.int64, copy=False))
+        """The layout, drafts [B, K], num_drafts [B] and render_k [B] on the device, in one copy."""
+        packed = to_device(xp, np.concatenate([self.flat, drafts.ravel(), num_drafts, self.render_k]
+                                              ).astype(np.int64, copy=False))
         return UploadedLayout(packed, len(num_drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
 
 
@@ -191,23 +200,40 @@ def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LayoutArrays, r
     out.draft_top_ids[slot], out.draft_top_lps[slot] = rows.top_ids[r], rows.top_lps[r]
 
 
-def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayout, runs: Any) -> Any:
+def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayout, runs: Any,
+                      renderer: LogprobRenderer | None = None) -> Any:
     """The buffer of GatheredLogprobs: offsets and logprobs of emitted tokens and drafts, from logits
     [R, V] f32 and runs [2, B] int64 (verification's verdict: num_accepted, then the emitted token),
-    all on the device. `gathered_on_host` reads its host copy."""
+    all on the device. `gathered_on_host` reads its host copy. With a renderer, the buffer goes on
+    with the chat JSON entries of the emitted tokens of the requests whose layout render_k >= 0
+    (LogprobRenderer.render's output; `rendered_on_host` reads it)."""
     k = rows.top_ids.shape[1]
     size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
-    buffer = xp.empty(size, dtype=xp.int64)  # the gather writes every element
     if xp is np:
+        buffer = np.empty(size, dtype=np.int64)
         out = GatheredLogprobs.within(buffer, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
         _gather_numpy(logits, rows, layout.arrays(), runs, out)
-    elif layout.num_seqs:
+        if renderer is None:
+            return buffer
+        return np.concatenate([buffer, renderer.render(
+            np, out.token_ids, out.token_lps, out.token_top_ids, out.token_top_lps, k, layout.render_k,
+            layout.num_seqs, layout.num_rows, out.cu_batch_token_offset)])
+    capacity = renderer.vocab.capacity(layout.num_rows, k) if renderer is not None else 0
+    buffer = xp.empty(size + (layout.num_rows + capacity // 8 if renderer is not None else 0), dtype=xp.int64)
+    if layout.num_seqs:  # the gather writes every element (and the render its rows' ends)
         load_kernel("accept_gather", "accept_gather_logprobs")((1,), (THREADS,), (
             xp.ascontiguousarray(logits, dtype=xp.float32), np.int64(logits.shape[1]), layout.packed,
             np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts),
             np.int32(layout.num_draft_slots), rows.peak, rows.log_total, rows.top_ids, rows.top_lps, np.int32(k),
-            xp.ascontiguousarray(runs, dtype=xp.int64), buffer))
+            xp.ascontiguousarray(runs, dtype=xp.int64), buffer,
+            *(renderer.table if renderer is not None else (NULL_POINTER, NULL_POINTER)),
+            np.uint64(buffer.data.ptr + 8 * size), np.int64(capacity)))
     return buffer
+
+
+def rendered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> np.ndarray:
+    """The rendered entries in the host copy of accept_and_gather's buffer (LogprobRenderer.render's output)."""
+    return host[GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k):]
 
 
 def gathered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> GatheredLogprobs:

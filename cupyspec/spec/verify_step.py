@@ -14,40 +14,69 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from itertools import repeat
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from cupyspec.outputs import DraftLogprob, TokenLogprob
+from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
-                                         gathered_on_host)
+                                         gathered_on_host, rendered_on_host)
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
+
+T = TypeVar("T", bound=tuple)
 
 LAYOUTS_CACHED = 64  # logprob layouts kept (`_layout`)
 
 
 @dataclass(frozen=True)
 class LogprobRequests:
-    """Per request [B]: how many top logprobs it wants (None: no token logprobs), and draft logprobs."""
+    """Per request [B]: how many top logprobs it wants (None: no token logprobs), draft logprobs,
+    and whether its token logprobs come rendered as chat JSON entries instead of records (default: none)."""
 
     top_logprobs: tuple[int | None, ...]
     include_drafts: tuple[bool, ...]
+    rendered: tuple[bool, ...] = ()  # [B] or empty
 
     @property
     def any(self) -> bool:
         return any(k is not None for k in self.top_logprobs) or any(self.include_drafts)
 
+    @property
+    def renders(self) -> bool:
+        """Whether some request's token logprobs come rendered."""
+        return any(r and k is not None for k, r in zip(self.top_logprobs, self.rendered))
+
+    @property
+    def render_k(self) -> np.ndarray:
+        """[B] int64: the top logprobs of each request whose entries are rendered, else -1."""
+        rendered = self.rendered or (False,) * len(self.top_logprobs)
+        return np.array([(k or 0) if r and k is not None else -1 for k, r in zip(self.top_logprobs, rendered)],
+                        dtype=np.int64)
+
+
+class StepLogprobs(NamedTuple):
+    """Per request [B], None where not asked: its token logprob records, or its rendered token
+    entries, and its draft logprob records."""
+
+    tokens: tuple[tuple[TokenLogprob, ...] | None, ...]
+    rendered: tuple[LogprobsJSON | None, ...]
+    drafts: tuple[tuple[DraftLogprob, ...] | None, ...]
+
+    @classmethod
+    def none(cls, num_seqs: int) -> StepLogprobs:
+        return cls(*((None,) * num_seqs,) * 3)
+
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """Host results: each request's accepted drafts and emitted token, and its token and draft
-    logprobs (or None)."""
+    """Host results: each request's accepted drafts and emitted token, and its logprobs."""
 
     num_accepted: list[int]  # [B] drafts before the first rejection
     emitted: list[int]  # [B] the bonus or correction token after them
-    token_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...]  # [B]
-    draft_logprobs: tuple[tuple[DraftLogprob, ...] | None, ...]  # [B]
+    logprobs: StepLogprobs
 
 
 class PendingVerdict:
@@ -55,10 +84,10 @@ class PendingVerdict:
     in another, so that the verdict, which the next step needs, does not wait for them."""
 
     def __init__(self, num_seqs: int, runs: HostTransfer, logprobs: HostTransfer | None = None,
-                 records: Callable[[np.ndarray], tuple[tuple, tuple]] | None = None) -> None:
-        """records: the host records (token logprobs, draft logprobs) [B] each from the logprobs' buffer."""
+                 records: Callable[[list[np.ndarray]], StepLogprobs] | None = None) -> None:
+        """records: the host records from the host copies of the logprobs' arrays."""
         self._runs, self._logprobs, self._records = runs, logprobs, records
-        self._none = ((None,) * num_seqs,) * 2  # (token logprobs, draft logprobs): none asked, or not yet
+        self._none = StepLogprobs.none(num_seqs)  # none asked, or not yet
 
     def done(self) -> bool:
         """Whether the verdict is on the host (`result(logprobs=False)` would not wait)."""
@@ -67,28 +96,28 @@ class PendingVerdict:
     def result(self, logprobs: bool = True) -> StepVerdict:
         """The verdict, and the logprobs unless `logprobs` is False (then None each, until `logprobs()`)."""
         num_accepted, emitted = self._runs.result()[0].tolist()
-        token_lps, draft_lps = self.logprobs() if logprobs else self._none
-        return StepVerdict(num_accepted, emitted, token_lps, draft_lps)
+        return StepVerdict(num_accepted, emitted, self.logprobs() if logprobs else self._none)
 
-    def logprobs(self) -> tuple[tuple[tuple[TokenLogprob, ...] | None, ...],
-                                tuple[tuple[DraftLogprob, ...] | None, ...]]:
-        """Per request [B], its token logprobs and its draft logprobs (None where not asked); waits for them."""
+    def logprobs(self) -> StepLogprobs:
+        """Each request's logprobs; waits for them."""
         if self._logprobs is None:
             return self._none
-        return self._records(self._logprobs.result()[0])
+        return self._records(self._logprobs.result())
 
 
 def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                  accept_policy: str, side_stream: Any | None = None) -> PendingVerdict:
+                  accept_policy: str, side_stream: Any | None = None,
+                  renderer: LogprobRenderer | None = None) -> PendingVerdict:
     """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for, on the
     device, their host copies started (the verdict's first); nothing waits for the device.
 
     side_stream: a CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
+    renderer: renders the entries of the requests `wanted.rendered` names.
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
-    layout, wants_tokens, wants_drafts = _layout(wanted, inp.num_drafts.tobytes())
+    layout, wants_tokens, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
     k = max((k or 0) for k in wanted.top_logprobs)
     if side_stream is None:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
@@ -105,41 +134,55 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
             rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
             rows_ready = side_stream.record(xp.cuda.Event(disable_timing=True))
         main_stream.wait_event(rows_ready)
-    buffer = accept_and_gather(xp, logits, rows, on_device, runs)
+    buffer = accept_and_gather(xp, logits, rows, on_device, runs, renderer if rendered.any() else None)
 
-    def records(host_buffer: np.ndarray) -> tuple[tuple, tuple]:
-        host = gathered_on_host(host_buffer, on_device, k)
-        return (_token_logprobs(host, wants_tokens, wanted.top_logprobs),
-                _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
+    def records(host_arrays: list[np.ndarray]) -> StepLogprobs:
+        host = gathered_on_host(host_arrays[0], on_device, k)
+        return StepLogprobs(_token_logprobs(host, wants_tokens & ~rendered, wanted.top_logprobs),
+                            _rendered_entries(renderer, host, layout, k, rendered,
+                                              rendered_on_host(host_arrays[0], on_device, k)),
+                            _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
     return PendingVerdict(len(inp.num_drafts), verdict, HostTransfer(xp, [buffer]), records)
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
-def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, np.ndarray, np.ndarray]:
+def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, np.ndarray, np.ndarray, np.ndarray]:
     """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
-    drafts each, with the wants [B] bool of tokens and of drafts; read-only. Made once per such
+    drafts each, with the wants [B] bool of tokens and of drafts and of rendered entries; read-only. Made once per such
     step: at one sequence most steps repeat the step before, and building it took some 80 µs of
     NumPy calls on the H100's host (the launch of a verifying step is on the host's critical path)."""
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
+    render_k = wanted.render_k
     first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
-    layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts)
-    for array in (wants_tokens, wants_drafts, *(getattr(layout, f.name) for f in dataclasses.fields(layout))):
+    layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, render_k)
+    rendered = render_k >= 0
+    for array in (wants_tokens, wants_drafts, rendered, *(getattr(layout, f.name) for f in dataclasses.fields(layout))):
         array.flags.writeable = False
-    return layout, wants_tokens, wants_drafts
+    return layout, wants_tokens, wants_drafts, rendered
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                         accept_policy: str, side_stream: Any | None = None) -> StepVerdict:
+                         accept_policy: str, side_stream: Any | None = None,
+                         renderer: LogprobRenderer | None = None) -> StepVerdict:
     """launch_verify, waited for."""
-    return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side_stream).result()
+    return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side_stream, renderer).result()
 
 
-def _first(rows: list[list], k: int) -> list[list]:
-    """Each row's first k entries."""
-    return [row[:k] for row in rows]
+def _records(kind: type[T], *columns: list) -> tuple[T, ...]:
+    """kind(*fields) for each row of the columns, made in C (`tuple.__new__`, half the cost of
+    calling the named tuple: the engine makes one per emitted token and per draft)."""
+    return tuple(map(tuple.__new__, repeat(kind), zip(*columns)))
+
+
+def _top_rows(top_ids: list[list], top_lps: list[list], lo: int, hi: int, k: int) -> tuple[list, list]:
+    """Rows lo..hi of the top ids and logprobs (lists of rows), each row's first k entries."""
+    ids, lps = top_ids[lo:hi], top_lps[lo:hi]
+    if ids and len(ids[0]) != k:
+        return [row[:k] for row in ids], [row[:k] for row in lps]
+    return ids, lps
 
 
 def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
@@ -148,15 +191,31 @@ def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
     if not wants.any():
         return (None,) * len(wants)
     cu = host.cu_batch_token_offset.tolist()
-    ids, lps = host.token_ids.tolist(), host.token_lps.tolist()
-    top_ids, top_lps = host.token_top_ids.tolist(), host.token_top_lps.tolist()
+    rows = cu[-1]  # the buffer holds a row per verified position; the emitted ones come first
+    ids, lps = host.token_ids[:rows].tolist(), host.token_lps[:rows].tolist()
+    top_ids, top_lps = host.token_top_ids[:rows].tolist(), host.token_top_lps[:rows].tolist()
     out: list[tuple[TokenLogprob, ...] | None] = []
     for b, want in enumerate(wants.tolist()):
         lo, hi = cu[b], cu[b + 1]
-        k = top_k[b] or 0
-        out.append(tuple(map(TokenLogprob, ids[lo:hi], lps[lo:hi], _first(top_ids[lo:hi], k),
-                             _first(top_lps[lo:hi], k))) if want else None)
+        out.append(_records(TokenLogprob, ids[lo:hi], lps[lo:hi], *_top_rows(top_ids, top_lps, lo, hi, top_k[b] or 0))
+                   if want else None)
     return tuple(out)
+
+
+def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, layout: LogprobLayout, k: int,
+                      rendered: np.ndarray, entries: np.ndarray) -> tuple[LogprobsJSON | None, ...]:
+    """Per request [B], its rendered token entries (None where not asked); entries: the host copy
+    of the render (LogprobRenderer.render's output)."""
+    if not rendered.any():
+        return (None,) * len(rendered)
+    cu = host.cu_batch_token_offset.tolist()
+
+    def rows() -> tuple:  # the render's arguments, on the host
+        return (host.token_ids, host.token_lps, host.token_top_ids, host.token_top_lps, k, layout.render_k,
+                len(rendered), len(host.token_ids), host.cu_batch_token_offset)
+
+    bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered.tolist())]
+    return tuple(renderer.entries(entries, len(host.token_ids), bounds, rows))
 
 
 def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: np.ndarray,
@@ -171,8 +230,8 @@ def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyIn
         if not want:
             out.append(None)
             continue
-        lo, n, k = offsets[b], num_drafts[b], top_k[b] or 0
-        out.append(tuple(map(DraftLogprob, inp.draft_token_ids[b, :n].tolist(), lps[lo:lo + n],
-                             _first(top_ids[lo:lo + n], k), _first(top_lps[lo:lo + n], k),
-                             [j < num_accepted[b] for j in range(n)])))
+        lo, n = offsets[b], num_drafts[b]
+        out.append(_records(DraftLogprob, inp.draft_token_ids[b, :n].tolist(), lps[lo:lo + n],
+                            *_top_rows(top_ids, top_lps, lo, lo + n, top_k[b] or 0),
+                            [j < num_accepted[b] for j in range(n)]))
     return tuple(out)
