@@ -12,6 +12,7 @@
 // The row normalizers and top-k come from a log-softmax that ran beside verification. The verdict
 // is copied to runs_out, so that every output travels to the host in one copy.
 
+#include "block_scan.cuh"
 #include "logprob_json.cuh"
 
 #define MAX_THREADS 1024
@@ -65,14 +66,7 @@ extern "C" __global__ void accept_gather_logprobs(
     const int lo = min(t * chunk, num_seqs), hi = min(lo + chunk, num_seqs);
     long long sum = 0;
     for (int b = lo; b < hi; ++b) sum += wants_tokens[b] ? num_accepted[b] + 1 : 0;
-    partial[t] = sum;
-    __syncthreads();
-    for (int stride = 1; stride < threads; stride <<= 1) {  // inclusive scan of the chunk sums
-        const long long add = t >= stride ? partial[t - stride] : 0;
-        __syncthreads();
-        partial[t] += add;
-        __syncthreads();
-    }
+    block_inclusive_scan(partial, sum);  // of the chunk sums
     long long running = t > 0 ? partial[t - 1] : 0;
     for (int b = lo; b < hi; ++b) {
         cu_batch_token_offset[b] = running;

@@ -11,6 +11,8 @@
 
 #pragma once
 
+#include "block_scan.cuh"
+
 #define RENDER_MAX_THREADS 1024
 #define MIN_LOGPROB -9999.0
 #define DIGITS 9
@@ -147,14 +149,7 @@ __device__ void render_rows(const RenderArgs& a) {
         size = put_row(Output{nullptr, 0}, size, r, (int)a.request_k[q], a.width, a.token_ids, a.logprobs,
                        a.top_ids, a.top_lps, a.blob, a.text_at);
     }
-    partial[t] = size;
-    __syncthreads();
-    for (int stride = 1; stride < threads; stride <<= 1) {  // inclusive scan of the chunk sizes
-        const long long add = t >= stride ? partial[t - stride] : 0;
-        __syncthreads();
-        partial[t] += add;
-        __syncthreads();
-    }
+    block_inclusive_scan(partial, size);  // of the chunk sizes
     long long at = t > 0 ? partial[t - 1] : 0;
     for (int r = lo, q = b; r < hi; ++r) {
         if (a.cu) { while (a.cu[q + 1] <= r) ++q; } else { q = r; }
