@@ -56,7 +56,7 @@ def gather(xp, case: dict, rows: RowLogprobs | None = None) -> GatheredLogprobs:
 
 def fields(out: GatheredLogprobs) -> list[np.ndarray]:
     """Every output array (the buffer's padding left out)."""
-    return [getattr(out, name) for name in GatheredLogprobs.__dataclass_fields__]
+    return [getattr(out, name) for name in GatheredLogprobs.FIELDS]
 
 
 @pytest.mark.parametrize("batch,max_drafts,k", [(1, 0, 0), (5, 3, 2), (17, 8, 20), (64, 5, 5)])

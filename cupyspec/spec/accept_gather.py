@@ -127,11 +127,13 @@ class RowLogprobs:
         return cls(*top_logprobs_on_device(xp, logits, k, row_target))
 
 
-@dataclass(frozen=True)
 class GatheredLogprobs:
     """The gather's outputs, views of one int64 buffer: the int64 arrays first, then the float32
-    ones two to an element. Token slots past cu_batch_token_offset[B] hold PLACEHOLDER_TOKEN_ID and zeros."""
+    ones two to an element. Token slots past cu_batch_token_offset[B] hold PLACEHOLDER_TOKEN_ID and
+    zeros. Each view is made when first read: a step reads a few, and each costs the host microseconds."""
 
+    FIELDS = ("runs", "cu_batch_token_offset", "token_ids", "token_top_ids", "draft_top_ids",
+              "token_lps", "token_top_lps", "draft_lps", "draft_top_lps")  # in buffer order
     runs: Any  # [2, B] int64: verification's num_accepted, then emitted tokens (copied)
     cu_batch_token_offset: Any  # [B+1] int64
     token_ids: Any  # [L] int64: emitted tokens of the requests that asked, request by request
@@ -142,23 +144,27 @@ class GatheredLogprobs:
     draft_lps: Any  # [D] f32: proposed drafts of the requests that asked, request by request
     draft_top_lps: Any  # [D, k] f32
 
+    def __init__(self, buffer: Any, num_seqs: int, rows: int, slots: int, k: int) -> None:
+        self._buffer, self._shapes = buffer, _shapes(num_seqs, rows, slots, k)
+
     @staticmethod
     def buffer_size(num_seqs: int, rows: int, slots: int, k: int) -> int:
         """int64 elements of the buffer."""
         ints, floats = _shapes(num_seqs, rows, slots, k)
         return sum(map(math.prod, ints)) + (sum(map(math.prod, floats)) + 1) // 2
 
-    @classmethod
-    def within(cls, buffer: Any, num_seqs: int, rows: int, slots: int, k: int) -> GatheredLogprobs:
-        ints, floats = _shapes(num_seqs, rows, slots, k)
-        views = []
-        for shapes, flat in ((ints, buffer), (floats, buffer[sum(map(math.prod, ints)):].view(np.float32))):
-            at = 0
-            for shape in shapes:
-                size = math.prod(shape)
-                views.append(flat[at:at + size].reshape(shape))
-                at += size
-        return cls(*views)
+    def __getattr__(self, name: str) -> Any:  # a field not read yet
+        if name not in self.FIELDS:
+            raise AttributeError(name)
+        ints, floats = self._shapes
+        index = self.FIELDS.index(name)
+        if index < len(ints):
+            flat, shapes = self._buffer, ints
+        else:
+            flat, shapes, index = self._buffer[sum(map(math.prod, ints)):].view(np.float32), floats, index - len(ints)
+        at = sum(map(math.prod, shapes[:index]))
+        view = self.__dict__[name] = flat[at:at + math.prod(shapes[index])].reshape(shapes[index])
+        return view
 
 
 def _shapes(num_seqs: int, rows: int, slots: int, k: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -211,7 +217,7 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
     size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
     if xp is np:
         buffer = np.empty(size, dtype=np.int64)
-        out = GatheredLogprobs.within(buffer, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
+        out = GatheredLogprobs(buffer, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
         _gather_numpy(logits, rows, layout.arrays(), runs, out)
         if renderer is None:
             return buffer
@@ -238,4 +244,4 @@ def rendered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> np.nda
 
 def gathered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> GatheredLogprobs:
     """The host copy of accept_and_gather's buffer as GatheredLogprobs."""
-    return GatheredLogprobs.within(host, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
+    return GatheredLogprobs(host, layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)

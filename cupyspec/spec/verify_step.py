@@ -117,7 +117,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
-    layout, wants_tokens, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
+    layout, wants_records, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
     k = max((k or 0) for k in wanted.top_logprobs)
     if side_stream is None:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
@@ -138,7 +138,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 
     def records(host_arrays: list[np.ndarray]) -> StepLogprobs:
         host = gathered_on_host(host_arrays[0], on_device, k)
-        return StepLogprobs(_token_logprobs(host, wants_tokens & ~rendered, wanted.top_logprobs),
+        return StepLogprobs(_token_logprobs(host, wants_records, wanted.top_logprobs),
                             _rendered_entries(renderer, host, layout, k, rendered,
                                               rendered_on_host(host_arrays[0], on_device, k)),
                             _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
@@ -149,9 +149,10 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, np.ndarray, np.ndarray, np.ndarray]:
     """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
-    drafts each, with the wants [B] bool of tokens and of drafts and of rendered entries; read-only. Made once per such
-    step: at one sequence most steps repeat the step before, and building it took some 80 µs of
-    NumPy calls on the H100's host (the launch of a verifying step is on the host's critical path)."""
+    drafts each, with the wants [B] bool of token records, of draft records and of rendered token
+    entries; read-only. Made once per such step: at one sequence most steps repeat the step before,
+    and building it took some 80 µs of NumPy calls on the H100's host (the launch of a verifying
+    step is on the host's critical path)."""
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
@@ -159,9 +160,10 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, 
     first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
     layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, render_k)
     rendered = render_k >= 0
-    for array in (wants_tokens, wants_drafts, rendered, *(getattr(layout, f.name) for f in dataclasses.fields(layout))):
+    wants_records = wants_tokens & ~rendered
+    for array in (wants_records, wants_drafts, rendered, *(getattr(layout, f.name) for f in dataclasses.fields(layout))):
         array.flags.writeable = False
-    return layout, wants_tokens, wants_drafts, rendered
+    return layout, wants_records, wants_drafts, rendered
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
@@ -212,10 +214,10 @@ def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, 
 
     def rows() -> tuple:  # the render's arguments, on the host
         return (host.token_ids, host.token_lps, host.token_top_ids, host.token_top_lps, k, layout.render_k,
-                len(rendered), len(host.token_ids), host.cu_batch_token_offset)
+                len(rendered), layout.num_rows, host.cu_batch_token_offset)
 
     bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered.tolist())]
-    return tuple(renderer.entries(entries, len(host.token_ids), bounds, rows))
+    return tuple(renderer.entries(entries, layout.num_rows, bounds, rows))
 
 
 def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: np.ndarray,
