@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,6 +62,14 @@ KERNEL_THREADS = 1024  # THREADS in cuda/logsoftmax_topk.cu
 NULL_POINTER = np.int64(0)  # a kernel argument that passes a null pointer
 
 
+class DeviceRows(NamedTuple):
+    """Row indices (int64) already on the device, by address: a CuPy view of them would cost the host
+    microseconds on every step."""
+
+    address: int
+    count: int
+
+
 def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | None = None) -> tuple[Any, ...]:
     """With chosen_ids [R]: (their logprobs [R] f32, top ids, top logprobs) of every row; else (peak,
     log_total, top ids, top logprobs) of the rows picked by `rows` (None: all). One kernel launch."""
@@ -69,7 +77,12 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
 
     from cupyspec.kernels import load_kernel
 
-    count = logits.shape[0] if rows is None else len(rows)
+    if isinstance(rows, DeviceRows):
+        count, rows = rows.count, np.uint64(rows.address)
+    elif rows is not None:
+        count, rows = len(rows), cp.ascontiguousarray(rows, dtype=cp.int64)
+    else:
+        count = logits.shape[0]
     top_ids, top_lps = cp.empty((count, k), cp.int64), cp.empty((count, k), cp.float32)
     if chosen_ids is None:
         chosen_lps, peak, log_total = None, cp.empty(count, cp.float32), cp.empty(count, cp.float64)
@@ -79,14 +92,15 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
         load_kernel("logsoftmax_topk", "logsoftmax_top8" if k <= KERNEL_SMALL_K else "logsoftmax_top20")(
             (count,), (KERNEL_THREADS,), tuple(NULL_POINTER if a is None else a for a in (
                 cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
-                None if rows is None else cp.ascontiguousarray(rows, dtype=cp.int64), np.int32(k), chosen_ids, chosen_lps,
+                rows, np.int32(k), chosen_ids, chosen_lps,
                 peak, log_total, top_ids, top_lps)))
     return (peak, log_total, top_ids, top_lps) if chosen_ids is None else (chosen_lps, top_ids, top_lps)
 
 
 def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None) -> tuple[Any, Any, Any, Any]:
     """Device arrays (peak [R] f32, log_total [R] f64, top ids [R, k] int64, top logprobs [R, k] f32)
-    of log_softmax over the rows of logits [R_all, V] picked by rows [R] (default: all rows).
+    of log_softmax over the rows of logits [R_all, V] picked by rows [R] (default: all rows; on a GPU
+    also DeviceRows).
     The normalizers give any other token's logprob later (`logprobs_at`). On a GPU this is one
     kernel, cuda/logsoftmax_topk.cu, with these lines as its twin."""
     _check_logits(logits, k)

@@ -20,7 +20,7 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprob_json import LogprobRenderer
-from cupyspec.sampling.logprobs import NULL_POINTER, top_logprobs_on_device
+from cupyspec.sampling.logprobs import NULL_POINTER, DeviceRows, top_logprobs_on_device
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import to_device
 
@@ -52,7 +52,8 @@ class UploadedLayout:
 
     @property
     def row_target(self) -> Any:  # [L]: it comes first
-        return self.packed[:self.num_rows]
+        return self.packed[:self.num_rows] if isinstance(self.packed, np.ndarray) else \
+            DeviceRows(self.packed.data.ptr, self.num_rows)
 
     @property
     def render_k(self) -> Any:  # [B]: it comes last
@@ -123,7 +124,8 @@ class RowLogprobs:
 
     @classmethod
     def compute(cls, xp: Any, logits: Any, row_target: Any, k: int) -> RowLogprobs:
-        """logits [R, V] f32: the target rows; row_target [L] int64 (UploadedLayout.row_target)."""
+        """logits [R, V] f32: the target rows; row_target [L] int64 (UploadedLayout.row_target: on a
+        GPU, DeviceRows)."""
         return cls(*top_logprobs_on_device(xp, logits, k, row_target))
 
 
@@ -148,8 +150,9 @@ class GatheredLogprobs:
         self._buffer, self._shapes = buffer, _shapes(num_seqs, rows, slots, k)
 
     @staticmethod
+    @functools.lru_cache(maxsize=256)
     def buffer_size(num_seqs: int, rows: int, slots: int, k: int) -> int:
-        """int64 elements of the buffer."""
+        """int64 elements of the buffer (computed once per shape: read twice a step)."""
         ints, floats = _shapes(num_seqs, rows, slots, k)
         return sum(map(math.prod, ints)) + (sum(map(math.prod, floats)) + 1) // 2
 
