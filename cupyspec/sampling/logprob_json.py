@@ -2,10 +2,11 @@
 
 A chat stream with `top_logprobs=5` carries six JSON objects per token. Built on the host (a
 record per token, then response objects, then the encoder) they cost the H100's host some 6 µs a
-token: at 64 streams, where every step waits for the host, a tenth of the throughput. Here one
-kernel writes a step's entries after the logprob gather, from a table of each token's `"token"`
-string and `"bytes"` list, JSON-encoded once; they reach the host with the logprobs and are sliced
-per request (`LogprobsJSON`), ready to send.
+token: at 64 streams, where every step waits for the host, a sixth to a quarter of the
+throughput. Here the kernel that gathers a verified step's logprobs goes on to write the entries
+(a plain step's get a launch of their own), from a table of each token's `"token"` string and
+`"bytes"` list, JSON-encoded once; they reach the host with the logprobs and are sliced per
+request (`LogprobsJSON`), ready to send.
 
 An entry, with the request's first k alternatives:
 
