@@ -1,5 +1,6 @@
-"""Logprobs in the two OpenAI formats: legacy completions lists and chat `content` entries,
-for emitted tokens and for proposed drafts (the same entries plus `accepted`)."""
+"""Logprobs from the engine's records: legacy completions lists, for emitted tokens and for
+proposed drafts, and chat `content` entries of proposed drafts (the chat entries of emitted tokens
+come rendered by the engine: cupyspec/sampling/logprob_json.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def merge_completion_logprobs(parts: Sequence[L], kind: type[L]) -> L:
     return kind(**{name: [x for p in parts for x in getattr(p, name)] for name in kind.__struct_fields__})
 
 
-def _chat_fields(texts: TokenText, entry: TokenLogprob) -> tuple[str, float, list[int], list[TopLogprob]]:
+def _chat_fields(texts: TokenText, entry: DraftLogprob) -> tuple[str, float, list[int], list[TopLogprob]]:
     """ChatTokenLogprob's fields, in order (positional: the server makes one per draft)."""
     entry_of, top = texts.entry, []
     for token_id, logprob in zip(entry.top_ids, entry.top_logprobs):
