@@ -36,7 +36,6 @@ from cupyspec.spec.factory import make_proposer
 from cupyspec.spec.stats import SpecStats
 from cupyspec.spec.step_cost import StepShape
 from cupyspec.speculative_config import RequestSpeculation
-from cupyspec.token_text import TokenText
 from cupyspec.warm_up import warm_up
 from cupyspec.worker import InlineSteps, StepThread
 
@@ -115,7 +114,7 @@ class AsyncEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
         self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
-                                  self.max_model_len, config.scheduler.max_num_seqs, TokenText(self.tokenizer))
+                                  self.max_model_len, config.scheduler.max_num_seqs, self.tokenizer)
         proposer = make_proposer(config.speculative)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.metrics = EngineMetrics(self.model_name)

@@ -36,7 +36,7 @@ from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
 from cupyspec.spec.verify_step import LogprobRequests, PendingVerdict, StepVerdict, launch_verify
-from cupyspec.token_text import TokenText
+from cupyspec.token_text import TokenBytes, TokenText
 from cupyspec.transfer import HostTransfer, to_device
 
 
@@ -168,11 +168,11 @@ def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
                  overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0,
-                 max_num_seqs: int = 256, token_text: TokenText | None = None) -> None:
+                 max_num_seqs: int = 256, tokenizer: TokenBytes | None = None) -> None:
         """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none).
-        token_text: the tokens' texts, for logprobs rendered as chat JSON entries."""
+        tokenizer: the tokens' bytes, for logprobs rendered as chat JSON entries."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
-        self.token_text = token_text
+        self.tokenizer = tokenizer
         xp = backend.xp
         cuda = xp.cuda if backend.is_cuda else None
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
@@ -184,10 +184,12 @@ class ModelRunner:
 
     @functools.cached_property
     def renderer(self) -> LogprobRenderer:
-        """Renders chat logprob entries; its vocabulary table is built on first use."""
-        if self.token_text is None:
-            raise ValueError("rendering logprobs needs the tokens' texts (ModelRunner's token_text)")
-        return LogprobRenderer(self.backend.xp, VocabJSON.build(self.token_text, self.model.config.vocab_size))
+        """Renders chat logprob entries; its vocabulary table is built on first use (the texts of
+        every token, cached on the way, are then let go)."""
+        if self.tokenizer is None:
+            raise ValueError("rendering logprobs needs the tokenizer (ModelRunner's tokenizer)")
+        vocab = VocabJSON.build(TokenText(self.tokenizer), self.model.config.vocab_size)
+        return LogprobRenderer(self.backend.xp, vocab)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
@@ -324,9 +326,9 @@ def _sampled_outputs(out: SamplerOutput, rendered: list[np.ndarray], inputs: Ste
         return {s: SeqStepOutput((token,)) for s, token in enumerate(token_ids)}
     entries = [None] * len(token_ids)
     if renderer is not None:
-        render_k = inputs.logprobs.render_k
-        rows = len(token_ids)
-        entries = renderer.entries(rendered[0], rows, [(s, s + 1) if k >= 0 else None for s, k in enumerate(render_k.tolist())],
+        render_k, rows = inputs.logprobs.render_k, len(token_ids)
+        bounds = [(s, s + 1) if k >= 0 else None for s, k in enumerate(render_k.tolist())]  # a row each
+        entries = renderer.entries(rendered[0], rows, bounds,
                                    lambda: (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs,
                                             out.top_token_ids.shape[1], render_k, rows, rows))
     lps, top_ids, top_lps = out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist()  # whole

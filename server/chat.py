@@ -102,7 +102,8 @@ class ChatJob:
         async with aclosing(self.deltas()) as deltas:
             async for delta, _last in deltas:
                 texts[delta.index].append(delta.text)
-                logprobs[delta.index] += [self._logprobs(delta) or EMPTY_ENTRIES]
+                if self.req.logprobs:
+                    logprobs[delta.index].append(self._logprobs(delta))
                 drafts[delta.index] += self._draft_logprobs(delta) or []
                 finals[delta.index] = delta
         choices = [

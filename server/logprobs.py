@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import MIN_LOGPROB
-from cupyspec.server.protocol import (ChatDraftTokenLogprob, ChatTokenLogprob, CompletionDraftLogprobs,
+from cupyspec.server.protocol import (ChatDraftTokenLogprob, CompletionDraftLogprobs,
                                       CompletionLogprobs, TopLogprob)
 from cupyspec.token_text import TokenText
 

@@ -224,9 +224,7 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
         _gather_numpy(logits, rows, layout.arrays(), runs, out)
         if renderer is None:
             return buffer
-        return np.concatenate([buffer, renderer.render(
-            np, out.token_ids, out.token_lps, out.token_top_ids, out.token_top_lps, k, layout.render_k,
-            layout.num_seqs, layout.num_rows, out.cu_batch_token_offset)])
+        return np.concatenate([buffer, renderer.render(np, *emitted_rows(out, layout.render_k, k))])
     capacity = renderer.vocab.capacity(layout.num_rows, k) if renderer is not None else 0
     buffer = xp.empty(size + (layout.num_rows + capacity // 8 if renderer is not None else 0), dtype=xp.int64)
     if layout.num_seqs:  # the gather writes every element (and the render its rows' ends)
@@ -238,6 +236,13 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
             *(renderer.table if renderer is not None else (NULL_POINTER, NULL_POINTER)),
             np.uint64(buffer.data.ptr + 8 * size), np.int64(capacity)))
     return buffer
+
+
+def emitted_rows(out: GatheredLogprobs, render_k: np.ndarray, k: int) -> tuple:
+    """LogprobRenderer.render's arguments (from token_ids on) for the emitted tokens gathered in `out`,
+    with render_k [B]: the twin of the kernel's render."""
+    return (out.token_ids, out.token_lps, out.token_top_ids, out.token_top_lps, k, render_k, len(render_k),
+            len(out.token_ids), out.cu_batch_token_offset)
 
 
 def rendered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
-                                         gathered_on_host, rendered_on_host)
+                                         emitted_rows, gathered_on_host, rendered_on_host)
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
@@ -161,7 +161,8 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, 
     layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, render_k)
     rendered = render_k >= 0
     wants_records = wants_tokens & ~rendered
-    for array in (wants_records, wants_drafts, rendered, *(getattr(layout, f.name) for f in dataclasses.fields(layout))):
+    layout_arrays = (getattr(layout, f.name) for f in dataclasses.fields(layout))
+    for array in (wants_records, wants_drafts, rendered, *layout_arrays):
         array.flags.writeable = False
     return layout, wants_records, wants_drafts, rendered
 
@@ -212,12 +213,8 @@ def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, 
         return (None,) * len(rendered)
     cu = host.cu_batch_token_offset.tolist()
 
-    def rows() -> tuple:  # the render's arguments, on the host
-        return (host.token_ids, host.token_lps, host.token_top_ids, host.token_top_lps, k, layout.render_k,
-                len(rendered), layout.num_rows, host.cu_batch_token_offset)
-
     bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered.tolist())]
-    return tuple(renderer.entries(entries, layout.num_rows, bounds, rows))
+    return tuple(renderer.entries(entries, layout.num_rows, bounds, lambda: emitted_rows(host, layout.render_k, k)))
 
 
 def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: np.ndarray,
