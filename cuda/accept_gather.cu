@@ -7,13 +7,10 @@
 //   2. gathers, for each emitted token and each proposed draft of the requests that asked, its
 //      logprob log_softmax(x)[t] = f32(f64(x[t] - peak) - log_total) and its row's top-k;
 //      token slots past cu_batch_token_offset[B] get token id -1 and zeros.
-//   3. when asked (blob not null), renders the emitted tokens of the requests with render_k >= 0
-//      as chat JSON entries (cuda/logprob_json.cuh), into `rendered`.
 // The row normalizers and top-k come from a log-softmax that ran beside verification. The verdict
 // is copied to runs_out, so that every output travels to the host in one copy.
 
 #include "block_scan.cuh"
-#include "logprob_json.cuh"
 
 #define MAX_THREADS 1024
 
@@ -27,14 +24,10 @@ extern "C" __global__ void accept_gather_logprobs(
     const float* __restrict__ top_lps,                          // [L, k]
     int k,
     const long long* __restrict__ runs,                         // [2, B] verdict: num_accepted, emitted token
-    long long* __restrict__ out,                                // GatheredLogprobs' buffer (accept_gather.py)
-    const unsigned char* __restrict__ blob,                     // vocabulary table (VocabJSON); null: no
-    const long long* __restrict__ text_at,                      //   rendering; [2V+1]
-    long long* __restrict__ rendered,                           // [L] entry ends, then `capacity` bytes
-    long long capacity)
+    long long* __restrict__ out)                                // GatheredLogprobs' buffer (accept_gather.py)
 {
     // ---- inputs: row_target [L], row_seq [L], row_pos [L], wants_tokens [B], draft_offset [B+1],
-    // drafts [B, K], num_drafts [B], render_k [B]
+    // drafts [B, K], num_drafts [B] (then render_k [B], for cuda/logprob_json.cu)
     const long long* row_target = layout;
     const long long* row_seq = row_target + num_rows;
     const long long* row_pos = row_seq + num_rows;
@@ -42,7 +35,6 @@ extern "C" __global__ void accept_gather_logprobs(
     const long long* draft_offset = wants_tokens + num_seqs;
     const long long* drafts = draft_offset + num_seqs + 1;
     const long long* num_drafts = drafts + (long long)num_seqs * max_drafts;
-    const long long* render_k = num_drafts + num_seqs;
     const long long* num_accepted = runs;
     const long long* emitted = runs + num_seqs;
     // ---- outputs: runs_out [2, B], cu_batch_token_offset [B+1], token_ids [L] (first cu[B] valid),
@@ -110,12 +102,5 @@ extern "C" __global__ void accept_gather_logprobs(
                 draft_top_lps[slot * k + c] = top_lps[(long long)r * k + c];
             }
         }
-    }
-
-    if (blob) {  // ---- 3. render
-        __syncthreads();  // the block's gathered tokens are in place
-        render_rows(RenderArgs{token_ids, token_lps, token_top_ids, token_top_lps, k, render_k, cu_batch_token_offset,
-                               num_seqs, num_rows, blob, text_at, (unsigned char*)(rendered + num_rows), capacity,
-                               rendered});
     }
 }

@@ -35,7 +35,7 @@ from cupyspec.scheduler import SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, PendingVerdict, StepVerdict, launch_verify
+from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, PendingVerdict, StepVerdict, launch_verify
 from cupyspec.token_text import TokenBytes, TokenText
 from cupyspec.transfer import HostTransfer, to_device
 
@@ -177,7 +177,7 @@ class ModelRunner:
         cuda = xp.cuda if backend.is_cuda else None
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
         # the CUDA stream that computes a speculative step's logprobs beside verification
-        self.logprob_stream = cuda.Stream(non_blocking=True) if cuda and overlap_logprobs else None
+        self.logprob_stream = LogprobStream(cuda) if cuda and overlap_logprobs else None
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)

@@ -13,7 +13,7 @@ from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
                                          gathered_on_host)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
-from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, verify_with_logprobs
 from cupyspec.token_text import TokenText
 from cupyspec.transfer import fetch_arrays
 
@@ -147,7 +147,7 @@ def test_kernel_matches_twin(batch: int, max_drafts: int, k: int) -> None:
     case = random_case(np.random.default_rng(batch + k), batch, max_drafts, vocab=49152, k=k)
     host_rows = RowLogprobs.compute(np, case["logits"], case["layout"].row_target, k)
     device_rows = RowLogprobs(*(cupy.asarray(a) for a in (host_rows.peak, host_rows.log_total, host_rows.top_ids,
-                                                          host_rows.top_lps)))
+                                                          host_rows.top_lps)), k)
     for want, got in zip(fields(gather(np, case, host_rows)), fields(gather(cupy, case, device_rows))):
         np.testing.assert_array_equal(got, want)
 
@@ -176,7 +176,7 @@ def test_overlapped_step_equals_the_host_step(overlap: bool) -> None:
                              tuple(b % 4 == 1 for b in range(batch)))  # some requests' entries rendered
     vocab_json = VocabJSON.build(TokenText(NumberTokenizer()), vocab)
     host = verify_with_logprobs(np, logits, inp, wanted, "rejection", "normal", None, LogprobRenderer(np, vocab_json))
-    stream = cupy.cuda.Stream(non_blocking=True) if overlap else None
+    stream = LogprobStream(cupy.cuda) if overlap else None
     device = verify_with_logprobs(cupy, cupy.asarray(logits), inp, wanted, "rejection", "normal", stream,
                                   LogprobRenderer(cupy, vocab_json))
     assert (device.num_accepted, device.emitted) == (host.num_accepted, host.emitted)

@@ -3,10 +3,10 @@
 A chat stream with `top_logprobs=5` carries six JSON objects per token. Built on the host (a
 record per token, then response objects, then the encoder) they cost the H100's host some 6 µs a
 token: at 64 streams, where every step waits for the host, a sixth to a quarter of the
-throughput. Here the kernel that gathers a verified step's logprobs goes on to write the entries
-(a plain step's get a launch of their own), from a table of each token's `"token"` string and
-`"bytes"` list, JSON-encoded once; they reach the host with the logprobs and are sliced per
-request (`LogprobsJSON`), ready to send.
+throughput. Here a kernel writes the entries right after the logprobs are gathered (a verified
+step's into the gather's buffer), from a table of each token's `"token"` string and `"bytes"`
+list, JSON-encoded once; they reach the host with the logprobs and are sliced per request
+(`LogprobsJSON`), ready to send.
 
 An entry, with the request's first k alternatives:
 
@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from cupyspec.kernels import load_kernel
 from cupyspec.token_text import TokenText
 from cupyspec.transfer import to_device
 
@@ -34,7 +35,8 @@ MIN_LOGPROB = -9999.0  # a token the model rules out gets this floor, as vLLM re
 NUMBER_BYTES = 16  # the longest formatted logprob: -0.000123456789 or -1.23456789e-05
 ENTRY_KEY_BYTES = 52  # the longest fixed part of an entry: {"token":,"logprob":,"bytes":,"top_logprobs":[]},
 SIGNIFICANT_DIGITS = 9
-THREADS = 1024  # one block, as in cuda/logprob_json.cu
+THREADS = 1024  # a block, as in cuda/logprob_json.cu
+SLOTS_PER_BLOCK = 64  # entry slots (a token each) one block writes: blocks on many SMs share the writing
 
 
 @dataclass(frozen=True)
@@ -116,24 +118,33 @@ class LogprobRenderer:
         the entries' bytes. Row r belongs to request b with cu[b] <= r < cu[b+1] (cu [B+1] int64;
         None: row r is request r) and takes its first request_k[b] alternatives (< 0: the request
         wants none: its rows stay empty). Rows from cu[B] on are left out. NumPy: every entry's
-        bytes; on a GPU `vocab.capacity` of them, those past it dropped (the ends count them).
-
-        On a GPU the arrays may be given as device addresses (int); one kernel, cuda/logprob_json.cu."""
+        bytes; on a GPU `vocab.capacity` of them, those past it dropped (the ends count them)."""
         if xp is np:
             ends, data = _render_numpy(self.vocab, token_ids, logprobs, top_ids, top_lps, request_k, num_rows, cu)
             return np.concatenate([ends, np.frombuffer(data.ljust(-(-len(data) // 8) * 8, b"\0"), dtype=np.int64)])
-        from cupyspec.kernels import load_kernel
-
-        capacity = self.vocab.capacity(num_rows, width)
-        rendered = xp.empty(num_rows + capacity // 8, dtype=xp.int64)
-        if num_rows:
-            ends = rendered.data.ptr
-            load_kernel("logprob_json", "render_chat_logprobs")((1,), (THREADS,), tuple(
-                np.uint64(a) if isinstance(a, int) else a for a in (
-                    token_ids, logprobs, top_ids, top_lps, np.int32(width), request_k, 0 if cu is None else cu,
-                    np.int32(num_requests), np.int32(num_rows), *self.table, ends + 8 * num_rows,
-                    np.int64(capacity), ends)))
+        rendered = xp.empty(self.rendered_size(num_rows, width), dtype=xp.int64)
+        self.render_into(rendered.data.ptr, token_ids, logprobs, top_ids, top_lps, width, request_k, num_requests,
+                         num_rows, cu)
         return rendered
+
+    def rendered_size(self, num_rows: int, width: int) -> int:
+        """int64 elements of `render`'s output on a GPU."""
+        return num_rows + self.vocab.capacity(num_rows, width) // 8
+
+    def render_into(self, address: int, token_ids: Any, logprobs: Any, top_ids: Any, top_lps: Any, width: int,
+                    request_k: Any, num_requests: int, num_rows: int, cu: Any | None = None) -> None:
+        """`render` on a GPU into rendered_size(num_rows, width) int64 at a device address, on the
+        current stream; the arrays may be given as device addresses (int). One kernel launch,
+        cuda/logprob_json.cu."""
+        if not num_rows:
+            return
+        capacity = self.vocab.capacity(num_rows, width)
+        blocks = -(-num_rows * (width + 1) // SLOTS_PER_BLOCK)
+        load_kernel("logprob_json", "render_chat_logprobs")((blocks,), (THREADS,), tuple(
+            np.uint64(a) if isinstance(a, int) else a for a in (
+                token_ids, logprobs, top_ids, top_lps, np.int32(width), request_k, 0 if cu is None else cu,
+                np.int32(num_requests), np.int32(num_rows), *self.table, address + 8 * num_rows,
+                np.int64(capacity), address)))
 
     def entries(self, rendered: np.ndarray, num_rows: int, bounds: list[tuple[int, int] | None],
                 rows: Callable[[], tuple[Any, ...]]) -> list[LogprobsJSON | None]:

@@ -75,10 +75,8 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
     log_total, top ids, top logprobs) of the rows picked by `rows` (None: all). One kernel launch."""
     import cupy as cp
 
-    from cupyspec.kernels import load_kernel
-
     if isinstance(rows, DeviceRows):
-        count, rows = rows.count, np.uint64(rows.address)
+        count = rows.count
     elif rows is not None:
         count, rows = len(rows), cp.ascontiguousarray(rows, dtype=cp.int64)
     else:
@@ -88,13 +86,28 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
         chosen_lps, peak, log_total = None, cp.empty(count, cp.float32), cp.empty(count, cp.float64)
     else:
         chosen_lps, peak, log_total = cp.empty(count, cp.float32), None, None
-    if count:
-        load_kernel("logsoftmax_topk", "logsoftmax_top8" if k <= KERNEL_SMALL_K else "logsoftmax_top20")(
-            (count,), (KERNEL_THREADS,), tuple(NULL_POINTER if a is None else a for a in (
-                cp.ascontiguousarray(logits, dtype=cp.float32), np.int64(logits.shape[1]),
-                rows, np.int32(k), chosen_ids, chosen_lps,
-                peak, log_total, top_ids, top_lps)))
+    launch_top_logprobs(logits, rows, count, k, peak, log_total, top_ids, top_lps, chosen_ids, chosen_lps)
     return (peak, log_total, top_ids, top_lps) if chosen_ids is None else (chosen_lps, top_ids, top_lps)
+
+
+def launch_top_logprobs(logits: Any, rows: Any | None, count: int, k: int, peak: Any, log_total: Any, top_ids: Any,
+                        top_lps: Any, chosen_ids: Any | None = None, chosen_lps: Any | None = None) -> None:
+    """On a GPU, cuda/logsoftmax_topk.cu over `count` rows of logits [R_all, V] (rows: DeviceRows, a
+    CuPy int64 array or None for all), into the given outputs: CuPy arrays or device addresses (int;
+    None: not wanted). k <= KERNEL_MAX_K."""
+    import cupy as cp
+
+    from cupyspec.kernels import load_kernel
+
+    if not count:
+        return
+    if isinstance(rows, DeviceRows):
+        rows = rows.address
+    load_kernel("logsoftmax_topk", "logsoftmax_top8" if k <= KERNEL_SMALL_K else "logsoftmax_top20")(
+        (count,), (KERNEL_THREADS,), tuple(NULL_POINTER if a is None else np.uint64(a) if isinstance(a, int) else a
+                                           for a in (cp.ascontiguousarray(logits, dtype=cp.float32),
+                                                     np.int64(logits.shape[1]), rows, np.int32(k), chosen_ids,
+                                                     chosen_lps, peak, log_total, top_ids, top_lps)))
 
 
 def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None) -> tuple[Any, Any, Any, Any]:

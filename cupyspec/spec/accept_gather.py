@@ -12,6 +12,7 @@ back in one.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -20,11 +21,12 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprob_json import LogprobRenderer
-from cupyspec.sampling.logprobs import NULL_POINTER, DeviceRows, top_logprobs_on_device
+from cupyspec.sampling.logprobs import KERNEL_MAX_K, DeviceRows, launch_top_logprobs, top_logprobs_on_device
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import to_device
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
+RENDERED_FIELDS = ("token_ids", "token_lps", "token_top_ids", "token_top_lps")  # GatheredLogprobs' rows to render
 
 
 class LayoutArrays(NamedTuple):
@@ -115,18 +117,31 @@ class LogprobLayout:
 
 @dataclass(frozen=True)
 class RowLogprobs:
-    """log_softmax of the layout's rows, on the device: normalizers and top-k."""
+    """log_softmax of the layout's rows, on the device: normalizers and top-k. Arrays; from `compute`
+    on a GPU, their device addresses in one allocation (each CuPy array made costs the host
+    microseconds, and a verifying step's launch is on its critical path)."""
 
     peak: Any  # [L] f32
     log_total: Any  # [L] f64
     top_ids: Any  # [L, k] int64
     top_lps: Any  # [L, k] f32
+    k: int
+    memory: Any = None  # the allocation the addresses point into
 
     @classmethod
     def compute(cls, xp: Any, logits: Any, row_target: Any, k: int) -> RowLogprobs:
         """logits [R, V] f32: the target rows; row_target [L] int64 (UploadedLayout.row_target: on a
         GPU, DeviceRows)."""
-        return cls(*top_logprobs_on_device(xp, logits, k, row_target))
+        if xp is np or k > KERNEL_MAX_K:
+            return cls(*top_logprobs_on_device(xp, logits, k, row_target), k)
+        count = row_target.count
+        memory = xp.empty(count * (k + 1) + (count * (k + 1) + 1) // 2, dtype=xp.int64)
+        top_ids = memory.data.ptr  # then log_total [L] f64, top_lps [L, k] f32, peak [L] f32
+        log_total = top_ids + 8 * count * k
+        top_lps = log_total + 8 * count
+        peak = top_lps + 4 * count * k
+        launch_top_logprobs(logits, row_target, count, k, peak, log_total, top_ids, top_lps)
+        return cls(peak, log_total, top_ids, top_lps, k, memory)
 
 
 class GatheredLogprobs:
@@ -155,6 +170,16 @@ class GatheredLogprobs:
         """int64 elements of the buffer (computed once per shape: read twice a step)."""
         ints, floats = _shapes(num_seqs, rows, slots, k)
         return sum(map(math.prod, ints)) + (sum(map(math.prod, floats)) + 1) // 2
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def byte_offsets(num_seqs: int, rows: int, slots: int, k: int) -> tuple[int, ...]:
+        """Where each field starts in the buffer, in bytes, in FIELDS order (computed once per shape)."""
+        ints, floats = _shapes(num_seqs, rows, slots, k)
+        int_bytes = [8 * math.prod(shape) for shape in ints]
+        float_bytes = [4 * math.prod(shape) for shape in floats]
+        return tuple(itertools.accumulate(int_bytes[:-1], initial=0)) + tuple(
+            itertools.accumulate(float_bytes[:-1], initial=sum(int_bytes)))
 
     def __getattr__(self, name: str) -> Any:  # a field not read yet
         if name not in self.FIELDS:
@@ -215,8 +240,8 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
     [R, V] f32 and runs [2, B] int64 (verification's verdict: num_accepted, then the emitted token),
     all on the device. `gathered_on_host` reads its host copy. With a renderer, the buffer goes on
     with the chat JSON entries of the emitted tokens of the requests whose layout render_k >= 0
-    (LogprobRenderer.render's output; `rendered_on_host` reads it)."""
-    k = rows.top_ids.shape[1]
+    (LogprobRenderer.render's output, written by a second kernel; `rendered_on_host` reads it)."""
+    k = rows.k
     size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
     if xp is np:
         buffer = np.empty(size, dtype=np.int64)
@@ -225,24 +250,31 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
         if renderer is None:
             return buffer
         return np.concatenate([buffer, renderer.render(np, *emitted_rows(out, layout.render_k, k))])
-    capacity = renderer.vocab.capacity(layout.num_rows, k) if renderer is not None else 0
-    buffer = xp.empty(size + (layout.num_rows + capacity // 8 if renderer is not None else 0), dtype=xp.int64)
-    if layout.num_seqs:  # the gather writes every element (and the render its rows' ends)
-        load_kernel("accept_gather", "accept_gather_logprobs")((1,), (THREADS,), (
-            xp.ascontiguousarray(logits, dtype=xp.float32), np.int64(logits.shape[1]), layout.packed,
-            np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts),
-            np.int32(layout.num_draft_slots), rows.peak, rows.log_total, rows.top_ids, rows.top_lps, np.int32(k),
-            xp.ascontiguousarray(runs, dtype=xp.int64), buffer,
-            *(renderer.table if renderer is not None else (NULL_POINTER, NULL_POINTER)),
-            np.uint64(buffer.data.ptr + 8 * size), np.int64(capacity)))
+    rendered_size = renderer.rendered_size(layout.num_rows, k) if renderer is not None else 0
+    buffer = xp.empty(size + rendered_size, dtype=xp.int64)
+    if not layout.num_seqs:
+        return buffer
+    load_kernel("accept_gather", "accept_gather_logprobs")((1,), (THREADS,), (  # writes every element
+        xp.ascontiguousarray(logits, dtype=xp.float32), np.int64(logits.shape[1]), layout.packed,
+        np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts),
+        np.int32(layout.num_draft_slots), *(np.uint64(a) if isinstance(a, int) else a for a in (
+            rows.peak, rows.log_total, rows.top_ids, rows.top_lps)), np.int32(k),
+        xp.ascontiguousarray(runs, dtype=xp.int64), buffer))
+    if renderer is not None:  # the emitted tokens' entries, from the gathered fields, by address
+        base = buffer.data.ptr
+        at = dict(zip(GatheredLogprobs.FIELDS, GatheredLogprobs.byte_offsets(
+            layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)))
+        render_k = layout.packed.data.ptr + 8 * (layout.packed.size - layout.num_seqs)  # it comes last
+        renderer.render_into(base + 8 * size, *(base + at[f] for f in RENDERED_FIELDS), k, render_k,
+                             layout.num_seqs, layout.num_rows, base + at["cu_batch_token_offset"])
     return buffer
 
 
 def emitted_rows(out: GatheredLogprobs, render_k: np.ndarray, k: int) -> tuple:
     """LogprobRenderer.render's arguments (from token_ids on) for the emitted tokens gathered in `out`,
     with render_k [B]: the twin of the kernel's render."""
-    return (out.token_ids, out.token_lps, out.token_top_ids, out.token_top_lps, k, render_k, len(render_k),
-            len(out.token_ids), out.cu_batch_token_offset)
+    return (*(getattr(out, f) for f in RENDERED_FIELDS), k, render_k, len(render_k), len(out.token_ids),
+            out.cu_batch_token_offset)
 
 
 def rendered_on_host(host: np.ndarray, layout: UploadedLayout, k: int) -> np.ndarray:

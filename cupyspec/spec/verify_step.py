@@ -29,6 +29,7 @@ from cupyspec.transfer import HostTransfer
 T = TypeVar("T", bound=tuple)
 
 LAYOUTS_CACHED = 64  # logprob layouts kept (`_layout`)
+Wants = tuple[bool, ...]  # [B]: per request, whether it asked for something
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,17 @@ class StepVerdict:
     logprobs: StepLogprobs
 
 
+class LogprobStream:
+    """A CUDA stream for the log-softmax of a verifying step beside its verification, and the two
+    events that join it to the main stream, made once: recording an event again costs the host
+    under a microsecond, making one some 5."""
+
+    def __init__(self, cuda: Any) -> None:
+        self.stream = cuda.Stream(non_blocking=True)
+        self.logits_ready = cuda.Event(disable_timing=True)
+        self.rows_ready = cuda.Event(disable_timing=True)
+
+
 class PendingVerdict:
     """A verification on its way to the host: the verdict in a transfer of its own, then the logprobs
     in another, so that the verdict, which the next step needs, does not wait for them."""
@@ -106,12 +118,12 @@ class PendingVerdict:
 
 
 def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                  accept_policy: str, side_stream: Any | None = None,
+                  accept_policy: str, side: LogprobStream | None = None,
                   renderer: LogprobRenderer | None = None) -> PendingVerdict:
     """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for, on the
     device, their host copies started (the verdict's first); nothing waits for the device.
 
-    side_stream: a CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
+    side: the CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     renderer: renders the entries of the requests `wanted.rendered` names.
     """
     if not wanted.any:
@@ -119,22 +131,22 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
     layout, wants_records, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
     k = max((k or 0) for k in wanted.top_logprobs)
-    if side_stream is None:
+    if side is None:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         verdict = HostTransfer(xp, [runs])
         on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
         rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
     else:
         main_stream = xp.cuda.get_current_stream()
-        side_stream.wait_event(main_stream.record(xp.cuda.Event(disable_timing=True)))  # the logits are ready
+        side.stream.wait_event(main_stream.record(side.logits_ready))
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         verdict = HostTransfer(xp, [runs])
-        with side_stream:
+        with side.stream:
             on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
             rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
-            rows_ready = side_stream.record(xp.cuda.Event(disable_timing=True))
-        main_stream.wait_event(rows_ready)
-    buffer = accept_and_gather(xp, logits, rows, on_device, runs, renderer if rendered.any() else None)
+            side.stream.record(side.rows_ready)
+        main_stream.wait_event(side.rows_ready)
+    buffer = accept_and_gather(xp, logits, rows, on_device, runs, renderer if any(rendered) else None)
 
     def records(host_arrays: list[np.ndarray]) -> StepLogprobs:
         host = gathered_on_host(host_arrays[0], on_device, k)
@@ -147,9 +159,9 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
-def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, np.ndarray, np.ndarray, np.ndarray]:
+def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, Wants, Wants, Wants]:
     """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
-    drafts each, with the wants [B] bool of token records, of draft records and of rendered token
+    drafts each, with the wants [B] of token records, of draft records and of rendered token
     entries; read-only. Made once per such step: at one sequence most steps repeat the step before,
     and building it took some 80 µs of NumPy calls on the H100's host (the launch of a verifying
     step is on the host's critical path)."""
@@ -161,17 +173,16 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, 
     layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, render_k)
     rendered = render_k >= 0
     wants_records = wants_tokens & ~rendered
-    layout_arrays = (getattr(layout, f.name) for f in dataclasses.fields(layout))
-    for array in (wants_records, wants_drafts, rendered, *layout_arrays):
-        array.flags.writeable = False
-    return layout, wants_records, wants_drafts, rendered
+    for f in dataclasses.fields(layout):
+        getattr(layout, f.name).flags.writeable = False
+    return layout, *(tuple(wants.tolist()) for wants in (wants_records, wants_drafts, rendered))
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                         accept_policy: str, side_stream: Any | None = None,
+                         accept_policy: str, side: LogprobStream | None = None,
                          renderer: LogprobRenderer | None = None) -> StepVerdict:
     """launch_verify, waited for."""
-    return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side_stream, renderer).result()
+    return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side, renderer).result()
 
 
 def _records(kind: type[T], *columns: list) -> tuple[T, ...]:
@@ -188,17 +199,17 @@ def _top_rows(top_ids: list[list], top_lps: list[list], lo: int, hi: int, k: int
     return ids, lps
 
 
-def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
+def _token_logprobs(host: GatheredLogprobs, wants: Wants,
                     top_k: tuple[int | None, ...]) -> tuple[tuple[TokenLogprob, ...] | None, ...]:
     """Per request [B], its emitted tokens' logprobs (None where not asked)."""
-    if not wants.any():
+    if not any(wants):
         return (None,) * len(wants)
     cu = host.cu_batch_token_offset.tolist()
     rows = cu[-1]  # the buffer holds a row per verified position; the emitted ones come first
     ids, lps = host.token_ids[:rows].tolist(), host.token_lps[:rows].tolist()
     top_ids, top_lps = host.token_top_ids[:rows].tolist(), host.token_top_lps[:rows].tolist()
     out: list[tuple[TokenLogprob, ...] | None] = []
-    for b, want in enumerate(wants.tolist()):
+    for b, want in enumerate(wants):
         lo, hi = cu[b], cu[b + 1]
         out.append(_records(TokenLogprob, ids[lo:hi], lps[lo:hi], *_top_rows(top_ids, top_lps, lo, hi, top_k[b] or 0))
                    if want else None)
@@ -206,26 +217,26 @@ def _token_logprobs(host: GatheredLogprobs, wants: np.ndarray,
 
 
 def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, layout: LogprobLayout, k: int,
-                      rendered: np.ndarray, entries: np.ndarray) -> tuple[LogprobsJSON | None, ...]:
+                      rendered: Wants, entries: np.ndarray) -> tuple[LogprobsJSON | None, ...]:
     """Per request [B], its rendered token entries (None where not asked); entries: the host copy
     of the render (LogprobRenderer.render's output)."""
-    if not rendered.any():
+    if not any(rendered):
         return (None,) * len(rendered)
     cu = host.cu_batch_token_offset.tolist()
 
-    bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered.tolist())]
+    bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered)]
     return tuple(renderer.entries(entries, layout.num_rows, bounds, lambda: emitted_rows(host, layout.render_k, k)))
 
 
-def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: np.ndarray,
+def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: Wants,
                     top_k: tuple[int | None, ...]) -> tuple[tuple[DraftLogprob, ...] | None, ...]:
     """Per request [B], its proposed drafts' logprobs and verdicts (None where not asked)."""
-    if not wants.any():
+    if not any(wants):
         return (None,) * len(wants)
     offsets, num_drafts, num_accepted = layout.draft_offset.tolist(), inp.num_drafts.tolist(), host.runs[0].tolist()
     lps, top_ids, top_lps = host.draft_lps.tolist(), host.draft_top_ids.tolist(), host.draft_top_lps.tolist()
     out: list[tuple[DraftLogprob, ...] | None] = []
-    for b, want in enumerate(wants.tolist()):
+    for b, want in enumerate(wants):
         if not want:
             out.append(None)
             continue
