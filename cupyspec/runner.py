@@ -34,6 +34,7 @@ from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uni
 from cupyspec.scheduler import SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec.logprob_graphs import LogprobGraphs
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
 from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, PendingVerdict, StepVerdict, launch_verify
 from cupyspec.token_text import TokenBytes, TokenText
@@ -181,6 +182,8 @@ class ModelRunner:
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)
+        # a one-request verifying step's logprob work, replayed over the graphs' logits
+        self.logprob_graphs = LogprobGraphs(xp, self.graphs.logits) if self.graphs is not None else None
 
     @functools.cached_property
     def renderer(self) -> LogprobRenderer:
@@ -238,7 +241,7 @@ class ModelRunner:
                     xp, target_logits,
                     VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
                     inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
-                    self.logprob_stream, self.renderer if inputs.logprobs.renders else None)
+                    self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs)
             elif target_logits is not None:
                 arrays = sample_on_device(xp, target_logits, list(inputs.sampling))
                 self.sampled_tokens[:len(inputs.owners)] = arrays[0]

@@ -39,6 +39,15 @@ class HostTransfer:
         self._arrays = [host[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
                         for a, offset in zip(sources, offsets)]
 
+    @classmethod
+    def queued(cls, xp: Any, host_arrays: list[np.ndarray]) -> HostTransfer:
+        """Host arrays (pinned) that copies already queued on the current stream write, a CUDA
+        graph's say: done once the stream has run them."""
+        transfer = cls.__new__(cls)
+        transfer._arrays, transfer._sources = host_arrays, None
+        transfer._event = xp.cuda.get_current_stream().record(xp.cuda.Event(disable_timing=True))
+        return transfer
+
     def done(self) -> bool:
         """Whether the copies are done (`result` would not wait)."""
         return self._event is None or self._event.done

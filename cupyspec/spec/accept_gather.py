@@ -110,9 +110,15 @@ class LogprobLayout:
 
     def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
         """The layout, drafts [B, K], num_drafts [B] and render_k [B] on the device, in one copy."""
-        packed = to_device(xp, np.concatenate([self.flat, drafts.ravel(), num_drafts, self.render_k]
-                                              ).astype(np.int64, copy=False))
-        return UploadedLayout(packed, len(num_drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
+        return self.uploaded(to_device(xp, self.packed(drafts, num_drafts)), drafts)
+
+    def packed(self, drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+        """UploadedLayout.packed's host array, with drafts [B, K] and num_drafts [B]."""
+        return np.concatenate([self.flat, drafts.ravel(), num_drafts, self.render_k]).astype(np.int64, copy=False)
+
+    def uploaded(self, packed: Any, drafts: np.ndarray) -> UploadedLayout:
+        """The layout as uploaded in `packed` (the device array of `packed()`), for drafts [B, K]."""
+        return UploadedLayout(packed, len(drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
 
 
 @dataclass(frozen=True)
@@ -129,19 +135,27 @@ class RowLogprobs:
     memory: Any = None  # the allocation the addresses point into
 
     @classmethod
-    def compute(cls, xp: Any, logits: Any, row_target: Any, k: int) -> RowLogprobs:
+    def compute(cls, xp: Any, logits: Any, row_target: Any, k: int, at: int | None = None) -> RowLogprobs:
         """logits [R, V] f32: the target rows; row_target [L] int64 (UploadedLayout.row_target: on a
-        GPU, DeviceRows)."""
+        GPU, DeviceRows). at: on a GPU, where to write (a device address of `size(L, k)` int64;
+        None: a new allocation)."""
         if xp is np or k > KERNEL_MAX_K:
             return cls(*top_logprobs_on_device(xp, logits, k, row_target), k)
-        count = row_target.count
-        memory = xp.empty(count * (k + 1) + (count * (k + 1) + 1) // 2, dtype=xp.int64)
-        top_ids = memory.data.ptr  # then log_total [L] f64, top_lps [L, k] f32, peak [L] f32
+        count, memory = row_target.count, None
+        if at is None:
+            memory = xp.empty(cls.size(count, k), dtype=xp.int64)
+            at = memory.data.ptr
+        top_ids = at  # then log_total [L] f64, top_lps [L, k] f32, peak [L] f32
         log_total = top_ids + 8 * count * k
         top_lps = log_total + 8 * count
         peak = top_lps + 4 * count * k
         launch_top_logprobs(logits, row_target, count, k, peak, log_total, top_ids, top_lps)
         return cls(peak, log_total, top_ids, top_lps, k, memory)
+
+    @staticmethod
+    def size(count: int, k: int) -> int:
+        """int64 elements that `compute` writes on a GPU for count rows."""
+        return count * (k + 1) + (count * (k + 1) + 1) // 2
 
 
 class GatheredLogprobs:
@@ -250,24 +264,37 @@ def accept_and_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedL
         if renderer is None:
             return buffer
         return np.concatenate([buffer, renderer.render(np, *emitted_rows(out, layout.render_k, k))])
-    rendered_size = renderer.rendered_size(layout.num_rows, k) if renderer is not None else 0
-    buffer = xp.empty(size + rendered_size, dtype=xp.int64)
+    buffer = xp.empty(gather_size(layout, k, renderer), dtype=xp.int64)
+    launch_gather(xp, logits, rows, layout, runs, buffer.data.ptr, renderer)
+    return buffer
+
+
+def gather_size(layout: UploadedLayout, k: int, renderer: LogprobRenderer | None = None) -> int:
+    """int64 elements of accept_and_gather's buffer."""
+    size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
+    return size + (renderer.rendered_size(layout.num_rows, k) if renderer is not None else 0)
+
+
+def launch_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayout, runs: Any, buffer: int,
+                  renderer: LogprobRenderer | None = None) -> None:
+    """accept_and_gather on a GPU into gather_size(layout, k, renderer) int64 at the device address
+    `buffer`, on the current stream: one kernel, and one more for the entries."""
     if not layout.num_seqs:
-        return buffer
+        return
+    k = rows.k
     load_kernel("accept_gather", "accept_gather_logprobs")((1,), (THREADS,), (  # writes every element
         xp.ascontiguousarray(logits, dtype=xp.float32), np.int64(logits.shape[1]), layout.packed,
         np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts),
         np.int32(layout.num_draft_slots), *(np.uint64(a) if isinstance(a, int) else a for a in (
             rows.peak, rows.log_total, rows.top_ids, rows.top_lps)), np.int32(k),
-        xp.ascontiguousarray(runs, dtype=xp.int64), buffer))
+        xp.ascontiguousarray(runs, dtype=xp.int64), np.uint64(buffer)))
     if renderer is not None:  # the emitted tokens' entries, from the gathered fields, by address
-        base = buffer.data.ptr
+        size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
         at = dict(zip(GatheredLogprobs.FIELDS, GatheredLogprobs.byte_offsets(
             layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)))
         render_k = layout.packed.data.ptr + 8 * (layout.packed.size - layout.num_seqs)  # it comes last
-        renderer.render_into(base + 8 * size, *(base + at[f] for f in RENDERED_FIELDS), k, render_k,
-                             layout.num_seqs, layout.num_rows, base + at["cu_batch_token_offset"])
-    return buffer
+        renderer.render_into(buffer + 8 * size, *(buffer + at[f] for f in RENDERED_FIELDS), k, render_k,
+                             layout.num_seqs, layout.num_rows, buffer + at["cu_batch_token_offset"])
 
 
 def emitted_rows(out: GatheredLogprobs, render_k: np.ndarray, k: int) -> tuple:

@@ -2,7 +2,8 @@
 
 On the GPU the log-softmax of the candidate rows runs on a second CUDA stream while the main
 stream verifies; the fused accept-and-gather kernel joins them (cupyspec/spec/accept_gather.py).
-Without a side stream (the CPU, or overlap turned off) the same work runs in sequence.
+Without a side stream (the CPU, or overlap turned off) the same work runs in sequence, and so does
+a step of one request over the forward graphs' logits, replayed as a CUDA graph (logprob_graphs.py).
 `launch_verify` queues all of it and the transfers, without waiting: first the verdict's, which
 the engine needs to form the next step, then the logprobs', which it needs only to deliver this
 one. `PendingVerdict.result` waits.
@@ -10,6 +11,7 @@ one. `PendingVerdict.result` waits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
                                          emitted_rows, gathered_on_host, rendered_on_host)
+from cupyspec.spec.logprob_graphs import LogprobGraphs
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
@@ -100,6 +103,12 @@ class PendingVerdict:
         """records: the host records from the host copies of the logprobs' arrays."""
         self._runs, self._logprobs, self._records = runs, logprobs, records
         self._none = StepLogprobs.none(num_seqs)  # none asked, or not yet
+        self._read: StepLogprobs | None = None
+
+    @property
+    def logprobs_read(self) -> bool:
+        """Whether `logprobs()` has read the logprobs' host copies (which may then be reused)."""
+        return self._read is not None
 
     def done(self) -> bool:
         """Whether the verdict is on the host (`result(logprobs=False)` would not wait)."""
@@ -114,39 +123,45 @@ class PendingVerdict:
         """Each request's logprobs; waits for them."""
         if self._logprobs is None:
             return self._none
-        return self._records(self._logprobs.result())
+        if self._read is None:
+            self._read = self._records(self._logprobs.result())
+        return self._read
 
 
 def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
                   accept_policy: str, side: LogprobStream | None = None,
-                  renderer: LogprobRenderer | None = None) -> PendingVerdict:
+                  renderer: LogprobRenderer | None = None, graphs: LogprobGraphs | None = None) -> PendingVerdict:
     """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for, on the
     device, their host copies started (the verdict's first); nothing waits for the device.
 
     side: the CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     renderer: renders the entries of the requests `wanted.rendered` names.
+    graphs: the logprob work of small steps as CUDA graphs, in sequence (logprob_graphs.py).
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
-    layout, wants_records, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
+    num_drafts = inp.num_drafts.tobytes()
+    layout, wants_records, wants_drafts, rendered = _layout(wanted, num_drafts)
     k = max((k or 0) for k in wanted.top_logprobs)
-    if side is None:
-        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
-        verdict = HostTransfer(xp, [runs])
-        on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
-        rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
+    renderer = renderer if any(rendered) else None
+    graph = graphs.find(logits, (wanted, num_drafts), layout, inp.draft_token_ids, k, renderer) if graphs else None
+    slot = graph.free_slot() if graph is not None else None
+    overlap = side is not None and slot is None
+    if overlap:  # the log-softmax starts once the logits are there, beside verification
+        side.stream.wait_event(xp.cuda.get_current_stream().record(side.logits_ready))
+    runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
+    verdict = HostTransfer(xp, [runs])
+    if slot is not None:
+        on_device, logprobs = graph.on_device, graph.launch(slot, inp.draft_token_ids, inp.num_drafts, runs)
     else:
-        main_stream = xp.cuda.get_current_stream()
-        side.stream.wait_event(main_stream.record(side.logits_ready))
-        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
-        verdict = HostTransfer(xp, [runs])
-        with side.stream:
+        main_stream = xp.cuda.get_current_stream() if overlap else None
+        with side.stream if overlap else contextlib.nullcontext():
             on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
             rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
-            side.stream.record(side.rows_ready)
-        main_stream.wait_event(side.rows_ready)
-    buffer = accept_and_gather(xp, logits, rows, on_device, runs, renderer if any(rendered) else None)
+        if overlap:
+            main_stream.wait_event(side.stream.record(side.rows_ready))
+        logprobs = HostTransfer(xp, [accept_and_gather(xp, logits, rows, on_device, runs, renderer)])
 
     def records(host_arrays: list[np.ndarray]) -> StepLogprobs:
         host = gathered_on_host(host_arrays[0], on_device, k)
@@ -155,7 +170,10 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
                                               rendered_on_host(host_arrays[0], on_device, k)),
                             _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
-    return PendingVerdict(len(inp.num_drafts), verdict, HostTransfer(xp, [buffer]), records)
+    pending = PendingVerdict(len(inp.num_drafts), verdict, logprobs, records)
+    if slot is not None:
+        graph.lend(slot, pending)
+    return pending
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)

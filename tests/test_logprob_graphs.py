@@ -1,0 +1,129 @@
+"""A one-request verifying step's logprob work replayed as a CUDA graph gives what the eager path gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.sampling.sampler import SamplingRow
+from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
+from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, launch_verify
+from cupyspec.token_text import TokenText
+
+VOCAB, MAX_DRAFTS = 5000, 5
+RENDERED = LogprobRequests((5,), (False,), (True,))
+RECORDS = LogprobRequests((3,), (True,))
+
+
+class NumberTokenizer:
+    def token_bytes(self, token_id: int) -> bytes:
+        return str(token_id).encode()
+
+
+def one_request_step(rng: np.random.Generator, num_drafts: int) -> tuple[np.ndarray, VerifyInput]:
+    """Logits [1 + d, V] and a greedy request's d drafts, each its row's argmax half of the time."""
+    logits = (rng.standard_normal((num_drafts + 1, VOCAB)) * 3).astype(np.float32)
+    drafts = np.full((1, MAX_DRAFTS), PLACEHOLDER_TOKEN_ID, np.int64)
+    drafts[0, :num_drafts] = rng.integers(0, VOCAB, num_drafts)
+    for j in range(num_drafts):
+        if rng.random() < 0.5:
+            logits[j, drafts[0, j]] = 30.0
+    rows = (SamplingRow(SamplingParams(temperature=0.0), 0.0),) * (num_drafts + 1)
+    return logits, VerifyInput(drafts, np.array([num_drafts]), None, rows, np.zeros(num_drafts + 1))
+
+
+def assert_same(got: StepVerdict, want: StepVerdict) -> None:
+    assert (got.num_accepted, got.emitted) == (want.num_accepted, want.emitted)
+    assert got.logprobs.tokens == want.logprobs.tokens and got.logprobs.drafts == want.logprobs.drafts
+    assert [r and r.json() for r in got.logprobs.rendered] == [r and r.json() for r in want.logprobs.rendered]
+
+
+@pytest.fixture
+def device():  # noqa: ANN201
+    import cupy
+
+    from cupyspec.spec.logprob_graphs import LogprobGraphs
+
+    static = cupy.empty((MAX_DRAFTS + 3, VOCAB), cupy.float32)  # the forward graphs' logits
+    renderer = LogprobRenderer(cupy, VocabJSON.build(TokenText(NumberTokenizer()), VOCAB))
+    with cupy.cuda.Stream(non_blocking=True):  # capture needs a stream of its own
+        yield cupy, static, LogprobGraphs(cupy, static), renderer
+
+
+@pytest.mark.gpu
+def test_replayed_steps_equal_eager_ones(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    rng = np.random.default_rng(0)
+    accepted = 0
+    for num_drafts in (3, 3, 5, 3, 1, 3, 5, 5):  # shapes again and again: captured, then replayed in turn
+        logits, inp = one_request_step(rng, num_drafts)
+        static[:num_drafts + 1] = cupy.asarray(logits)  # new logits in the static buffer
+        for wanted in (RENDERED, RECORDS):
+            view = static[:num_drafts + 1]
+            got = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer, graphs).result()
+            want = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer).result()
+            assert_same(got, want)
+            accepted += got.num_accepted[0]
+    assert accepted > 0
+
+
+@pytest.mark.gpu
+def test_a_graph_whose_results_are_unread_is_not_launched_again(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    rng = np.random.default_rng(1)
+    pending, wants = [], []
+    for _ in range(4):  # one shape, four steps, none read before the last is launched
+        logits, inp = one_request_step(rng, 4)
+        static[:5] = cupy.asarray(logits)
+        wants.append(launch_verify(cupy, static[:5], inp, RENDERED, "rejection", "normal", None, renderer).result())
+        pending.append(launch_verify(cupy, static[:5], inp, RENDERED, "rejection", "normal", None, renderer, graphs))
+    for got, want in zip(pending, wants):  # a third launch into a graph still lent would have overwritten one
+        assert_same(got.result(), want)
+
+
+@pytest.mark.gpu
+def test_only_one_request_steps_over_the_static_logits_are_replayed(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    logits, inp = one_request_step(np.random.default_rng(2), 2)
+    elsewhere = cupy.asarray(logits)
+    assert graphs.find(elsewhere, (RENDERED, b""), None, inp.draft_token_ids, 5, renderer) is None
+    two = np.concatenate([inp.draft_token_ids] * 2)
+    assert graphs.find(static[:6], (RENDERED, b""), None, two, 5, renderer) is None
+
+
+async def _one_stream(model_path: str, cuda_graphs: bool) -> list[tuple]:
+    """Each request's tokens, logprob records, rendered entries and draft logprobs, one request at a time."""
+    from cupyspec.config import CacheConfig, EngineConfig
+    from cupyspec.engine import AsyncEngine
+    from cupyspec.speculative_config import SpeculativeConfig
+
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=5, cost_aware_backoff=False)
+    engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
+                                                   speculative=speculative,
+                                                   cache=CacheConfig(kv_cache_memory_bytes=1 << 30)))
+    prompt = [{"role": "user", "content": "Repeat this list exactly: " + ", ".join(map(str, range(30)))}]
+    answers = []
+    try:
+        for render in (True, False):
+            params = SamplingParams(temperature=0.0, max_tokens=80, logprobs=5, include_draft_logprobs=True,
+                                    render_logprobs=render)
+            deltas = [d async for out in engine.chat(prompt, params) for d in out.deltas]
+            answers.append(([t for d in deltas for t in d.token_ids], [e for d in deltas for e in d.logprobs or ()],
+                            b"".join(d.logprobs_json.data for d in deltas if d.logprobs_json is not None),
+                            [e for d in deltas for e in d.draft_logprobs or ()]))
+    finally:
+        await engine.shutdown()
+    return answers
+
+
+@pytest.mark.gpu
+def test_one_stream_with_logprobs_equals_the_engine_without_graphs(default_model_path) -> None:  # noqa: ANN001
+    import asyncio
+
+    eager = asyncio.run(_one_stream(default_model_path, False))
+    graphed = asyncio.run(_one_stream(default_model_path, True))
+    assert graphed == eager
+    (_, _, entries, drafts), (_, records, _, _) = eager
+    assert entries and records and any(d.accepted for d in drafts)  # drafts verified, and accepted
