@@ -20,7 +20,7 @@ writes floats; at or below MIN_LOGPROB, -inf and NaN as MIN_LOGPROB (JSON has no
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,27 +74,32 @@ class VocabJSON:
                 self.blob[at[2 * token_id + 1]:at[2 * token_id + 2]].tobytes())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LogprobsJSON:
-    """Chat `logprobs.content` entries of consecutive tokens, each followed by a comma."""
+    """Chat `logprobs.content` entries of consecutive tokens, each followed by a comma. One is made
+    per request and step, so it is cheap to make: not frozen (a frozen one's __init__ costs three
+    times as much), and its entries' ends kept as the render counted them, from `start`."""
 
     data: bytes
-    ends: tuple[int, ...]  # where each token's entry (with its comma) ends in data
+    ends: Sequence[int]  # token i's entry (with its comma) ends at data[ends[i] - start]
+    start: int = 0
 
     def __len__(self) -> int:
         return len(self.ends)
 
     def head(self, n: int) -> LogprobsJSON:
         """The first n tokens' entries."""
-        return self if n >= len(self.ends) else LogprobsJSON(self.data[:self.ends[n - 1]] if n else b"", self.ends[:n])
+        if n >= len(self.ends):
+            return self
+        return LogprobsJSON(self.data[:self.ends[n - 1] - self.start] if n else b"", self.ends[:n], self.start)
 
     @classmethod
     def concat(cls, parts: list[LogprobsJSON]) -> LogprobsJSON:
         ends, offset = [], 0
         for part in parts:
-            ends += [offset + e for e in part.ends]
+            ends += [offset - part.start + e for e in part.ends]
             offset += len(part.data)
-        return cls(b"".join(p.data for p in parts), tuple(ends))
+        return cls(b"".join(p.data for p in parts), ends)
 
     def json(self) -> bytes:
         """The entries as a JSON list."""
@@ -167,8 +172,7 @@ def _split(data: bytes, row_ends: list[int], bounds: list[tuple[int, int] | None
             continue
         lo, hi = rows
         start = row_ends[lo - 1] if lo else 0
-        result.append(LogprobsJSON(data[start:row_ends[hi - 1]] if hi > lo else b"",
-                                   tuple(map(start.__rsub__, row_ends[lo:hi]))))
+        result.append(LogprobsJSON(data[start:row_ends[hi - 1]] if hi > lo else b"", row_ends[lo:hi], start))
     return result
 
 

@@ -44,21 +44,24 @@ class LogprobRequests:
     include_drafts: tuple[bool, ...]
     rendered: tuple[bool, ...] = ()  # [B] or empty
 
-    @property
+    # each read a few times a step: worked out once (a frozen dataclass lets cached_property write its __dict__)
+    @functools.cached_property
     def any(self) -> bool:
         return any(k is not None for k in self.top_logprobs) or any(self.include_drafts)
 
-    @property
+    @functools.cached_property
     def renders(self) -> bool:
         """Whether some request's token logprobs come rendered."""
         return any(r and k is not None for k, r in zip(self.top_logprobs, self.rendered))
 
-    @property
+    @functools.cached_property
     def render_k(self) -> np.ndarray:
-        """[B] int64: the top logprobs of each request whose entries are rendered, else -1."""
+        """[B] int64: the top logprobs of each request whose entries are rendered, else -1 (read-only)."""
         rendered = self.rendered or (False,) * len(self.top_logprobs)
-        return np.array([(k or 0) if r and k is not None else -1 for k, r in zip(self.top_logprobs, rendered)],
-                        dtype=np.int64)
+        render_k = np.array([(k or 0) if r and k is not None else -1 for k, r in zip(self.top_logprobs, rendered)],
+                            dtype=np.int64)
+        render_k.flags.writeable = False
+        return render_k
 
 
 class StepLogprobs(NamedTuple):
@@ -186,14 +189,12 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, 
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
     wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
     wants_drafts = np.array(wanted.include_drafts)
-    render_k = wanted.render_k
     first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
-    layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, render_k)
-    rendered = render_k >= 0
-    wants_records = wants_tokens & ~rendered
+    layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, wanted.render_k)
+    rendered = wanted.render_k >= 0
     for f in dataclasses.fields(layout):
         getattr(layout, f.name).flags.writeable = False
-    return layout, *(tuple(wants.tolist()) for wants in (wants_records, wants_drafts, rendered))
+    return layout, *(tuple(wants.tolist()) for wants in (wants_tokens & ~rendered, wants_drafts, rendered))
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
