@@ -289,12 +289,18 @@ def launch_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayou
             rows.peak, rows.log_total, rows.top_ids, rows.top_lps)), np.int32(k),
         xp.ascontiguousarray(runs, dtype=xp.int64), np.uint64(buffer)))
     if renderer is not None:  # the emitted tokens' entries, from the gathered fields, by address
-        size = GatheredLogprobs.buffer_size(layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
-        at = dict(zip(GatheredLogprobs.FIELDS, GatheredLogprobs.byte_offsets(
-            layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)))
+        shape = (layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
+        *rows_at, cu_at = _rendered_fields_at(*shape)
         render_k = layout.packed.data.ptr + 8 * (layout.packed.size - layout.num_seqs)  # it comes last
-        renderer.render_into(buffer + 8 * size, *(buffer + at[f] for f in RENDERED_FIELDS), k, render_k,
-                             layout.num_seqs, layout.num_rows, buffer + at["cu_batch_token_offset"])
+        renderer.render_into(buffer + 8 * GatheredLogprobs.buffer_size(*shape), *(buffer + at for at in rows_at), k,
+                             render_k, layout.num_seqs, layout.num_rows, buffer + cu_at)
+
+
+@functools.lru_cache(maxsize=256)
+def _rendered_fields_at(num_seqs: int, rows: int, slots: int, k: int) -> tuple[int, ...]:
+    """Byte offsets in the buffer of RENDERED_FIELDS, then of cu_batch_token_offset (once per shape)."""
+    at = dict(zip(GatheredLogprobs.FIELDS, GatheredLogprobs.byte_offsets(num_seqs, rows, slots, k)))
+    return tuple(at[f] for f in (*RENDERED_FIELDS, "cu_batch_token_offset"))
 
 
 def emitted_rows(out: GatheredLogprobs, render_k: np.ndarray, k: int) -> tuple:
