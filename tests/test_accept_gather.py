@@ -13,7 +13,7 @@ from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
                                          gathered_on_host)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
-from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, verify_with_logprobs
+from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, launch_verify, verify_with_logprobs
 from cupyspec.token_text import TokenText
 from cupyspec.transfer import fetch_arrays
 
@@ -110,6 +110,19 @@ def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted
     assert step.logprobs.drafts[:2] == (None, None) and len(step.logprobs.drafts[2]) == 4
     assert [d.accepted for d in step.logprobs.drafts[2]] == plain.accepted_mask[2].tolist()
     assert all(d.top == () for d in step.logprobs.drafts[2])  # no top logprobs asked by that request
+
+
+def test_a_steps_logprobs_are_read_once_and_said_to_be_read() -> None:
+    """A graph's host copy is launched again once its step's logprobs are read (logprob_graphs.py):
+    a second read must not read that copy again."""
+    rng = np.random.default_rng(4)
+    inp = VerifyInput(np.array([[3, 7]]), np.array([2]), None, (SamplingRow(SamplingParams(temperature=0.0), 0.0),) * 3,
+                      np.zeros(3))
+    pending = launch_verify(np, rng.standard_normal((3, 10)).astype(np.float32), inp,
+                            LogprobRequests((2,), (True,)), "rejection", "normal")
+    assert not pending.logprobs_read
+    first = pending.logprobs()
+    assert pending.logprobs_read and pending.logprobs() is first and pending.result().logprobs is first
 
 
 def test_each_request_gets_records_of_its_own_top_k() -> None:

@@ -139,8 +139,10 @@ class RowLogprobs:
         """logits [R, V] f32: the target rows; row_target [L] int64 (UploadedLayout.row_target: on a
         GPU, DeviceRows). at: on a GPU, where to write (a device address of `size(L, k)` int64;
         None: a new allocation)."""
-        if xp is np or k > KERNEL_MAX_K:
+        if xp is np:
             return cls(*top_logprobs_on_device(xp, logits, k, row_target), k)
+        if k > KERNEL_MAX_K:
+            raise ValueError(f"the top-k kernel gives at most {KERNEL_MAX_K} top logprobs, not {k}")
         count, memory = row_target.count, None
         if at is None:
             memory = xp.empty(cls.size(count, k), dtype=xp.int64)
