@@ -84,6 +84,13 @@ def test_twin_renders_each_request_its_own_entries(with_cu: bool) -> None:
     assert json.loads(both.head(4).json()) == json.loads(both.json())[:4]
 
 
+def test_entries_are_equal_wherever_their_ends_were_counted_from() -> None:
+    cut = LogprobsJSON(b'{"a":1},{"b":2},', [108, 116], start=100)  # as cut from a whole step's render
+    assert cut == LogprobsJSON(b'{"a":1},{"b":2},', (8, 16)) and cut.head(1) == LogprobsJSON(b'{"a":1},', [8])
+    assert cut != LogprobsJSON(b'{"a":1},{"b":2},', (9, 16))
+    assert LogprobsJSON.concat([cut.head(1), cut]).json() == b'[{"a":1},{"a":1},{"b":2}]'
+
+
 def test_the_vocabulary_table_holds_escaped_text_and_bytes() -> None:
     vocab = VocabJSON.build(TokenText(WordTokenizer()), 6)
     assert vocab.token_json(3) == (b'"\\"\\\\"', b"[34,92]")

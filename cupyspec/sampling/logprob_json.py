@@ -74,7 +74,7 @@ class VocabJSON:
                 self.blob[at[2 * token_id + 1]:at[2 * token_id + 2]].tobytes())
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class LogprobsJSON:
     """Chat `logprobs.content` entries of consecutive tokens, each followed by a comma. One is made
     per request and step, so it is cheap to make: not frozen (a frozen one's __init__ costs three
@@ -86,6 +86,10 @@ class LogprobsJSON:
 
     def __len__(self) -> int:
         return len(self.ends)
+
+    def __eq__(self, other: object) -> bool:  # the same entries, wherever their ends were counted from
+        return isinstance(other, LogprobsJSON) and self.data == other.data and \
+            [e - self.start for e in self.ends] == [e - other.start for e in other.ends]
 
     def head(self, n: int) -> LogprobsJSON:
         """The first n tokens' entries."""
