@@ -12,7 +12,7 @@ Each shape has two graphs, used in turn, and each is lent to the step whose resu
 the host has read them (`PendingVerdict.logprobs`): one still lent is not launched again, and a
 step that finds both lent runs the eager path. The graph runs after verification on the step's
 stream (verification is not in it, so a side stream would have nothing to overlap): at one request
-its 60-70 µs of GPU work end while the host forms the next step.
+its 70-80 µs of GPU work end while the host forms the next step.
 """
 
 from __future__ import annotations
