@@ -22,6 +22,7 @@ import numpy as np
 
 from cupyspec.backend import Backend
 from cupyspec.batch import DeviceBatch, FlatBatch, flat_batch
+from cupyspec.logprob_graphs import LogprobGraphs
 from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
@@ -29,12 +30,11 @@ from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
 from cupyspec.sampling.logprobs import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.sampling.sampler import SamplerOutput, SamplingRow, sample_on_device
+from cupyspec.sampling.sampler import SamplerOutput, SamplingRow, max_logprobs, sample_tokens_on_device
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduler import SchedulerOutput
 from cupyspec.sequence import Sequence
 from cupyspec.speculative_config import SpeculativeConfig
-from cupyspec.spec.logprob_graphs import LogprobGraphs
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
 from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, PendingVerdict, StepVerdict, launch_verify
 from cupyspec.token_text import TokenBytes, TokenText
@@ -182,7 +182,7 @@ class ModelRunner:
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)
-        # a one-request verifying step's logprob work, replayed over the graphs' logits
+        # a one-request step's logprob work, replayed over the graphs' logits
         self.logprob_graphs = LogprobGraphs(xp, self.graphs.logits) if self.graphs is not None else None
 
     @functools.cached_property
@@ -243,17 +243,33 @@ class ModelRunner:
                     inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
                     self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs)
             elif target_logits is not None:
-                arrays = sample_on_device(xp, target_logits, list(inputs.sampling))
-                self.sampled_tokens[:len(inputs.owners)] = arrays[0]
+                tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
+                self.sampled_tokens[:len(inputs.owners)] = tokens
+                k = max_logprobs(inputs.sampling)
+                replayed = self._replay_logprobs(target_logits, tokens, k, inputs) if prompt_logits is None else None
+                if replayed is not None:
+                    return LaunchedStep(inputs, replayed, SAMPLER_ARRAYS + int(inputs.logprobs.renders), None)
+                arrays = [tokens] if k is None else [tokens, *logprobs_on_device(xp, target_logits, tokens, k)]
                 if inputs.logprobs.renders:  # each row is its request's: entries of its token
                     rows = len(inputs.owners)
-                    arrays.append(self.renderer.render(xp, *arrays, arrays[2].shape[1],
-                                                       to_device(xp, inputs.logprobs.render_k), rows, rows))
+                    arrays.append(self.renderer.render(xp, *arrays, k, to_device(xp, inputs.logprobs.render_k), rows,
+                                                       rows))
             num_sample_arrays = len(arrays)
             if prompt_logits is not None:
                 k_max = max(k for _, _, k in inputs.prompt_owner)
                 arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
             return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
+
+    def _replay_logprobs(self, logits: Any, tokens: Any, k: int | None, inputs: StepInputs) -> HostTransfer | None:
+        """A plain step's logprobs of its sampled tokens [R] (top k) by a CUDA graph: the transfer of
+        the tokens, their logprobs (and entries); None where no graph replays them."""
+        if k is None or self.logprob_graphs is None:
+            return None
+        render_k = inputs.logprobs.render_k
+        graph = self.logprob_graphs.find_plain(logits, k, self.renderer if inputs.logprobs.renders else None,
+                                               render_k)
+        slot = graph.free_slot() if graph is not None else None
+        return graph.launch(slot, tokens) if slot is not None else None
 
     def collect(self, step: LaunchedStep, logprobs: bool = True) -> list[SeqStepOutput]:
         """Wait for a launched step's results; each scheduled sequence's output, in order. Without

@@ -22,6 +22,7 @@ class HostTransfer:
 
     def __init__(self, xp: Any, arrays: list[Any]) -> None:
         self._event = self._sources = None
+        self.read = False  # whether `result` has handed out the arrays
         if xp is np or not arrays:
             self._arrays = [np.asarray(a) for a in arrays]
             return
@@ -44,7 +45,7 @@ class HostTransfer:
         """Host arrays (pinned) that copies already queued on the current stream write, a CUDA
         graph's say: done once the stream has run them."""
         transfer = cls.__new__(cls)
-        transfer._arrays, transfer._sources = host_arrays, None
+        transfer._arrays, transfer._sources, transfer.read = host_arrays, None, False
         transfer._event = xp.cuda.get_current_stream().record(xp.cuda.Event(disable_timing=True))
         return transfer
 
@@ -57,6 +58,7 @@ class HostTransfer:
         if self._event is not None:
             self._event.synchronize()
             self._event = self._sources = None
+        self.read = True
         return self._arrays
 
 

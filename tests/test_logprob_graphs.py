@@ -1,4 +1,4 @@
-"""A one-request verifying step's logprob work replayed as a CUDA graph gives what the eager path gives."""
+"""A one-request step's logprob work replayed as a CUDA graph gives what the eager path gives."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.sampling.logprobs import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
@@ -44,7 +45,7 @@ def assert_same(got: StepVerdict, want: StepVerdict) -> None:
 def device():  # noqa: ANN201
     import cupy
 
-    from cupyspec.spec.logprob_graphs import LogprobGraphs
+    from cupyspec.logprob_graphs import LogprobGraphs
 
     static = cupy.empty((MAX_DRAFTS + 3, VOCAB), cupy.float32)  # the forward graphs' logits
     renderer = LogprobRenderer(cupy, VocabJSON.build(TokenText(NumberTokenizer()), VOCAB))
@@ -88,9 +89,62 @@ def test_only_one_request_steps_over_the_static_logits_are_replayed(device) -> N
     cupy, static, graphs, renderer = device
     logits, inp = one_request_step(np.random.default_rng(2), 2)
     elsewhere = cupy.asarray(logits)
-    assert graphs.find(elsewhere, (RENDERED, b""), None, inp.draft_token_ids, 5, renderer) is None
+    assert graphs.find_verifying(elsewhere, (RENDERED, b""), None, inp.draft_token_ids, 5, renderer) is None
     two = np.concatenate([inp.draft_token_ids] * 2)
-    assert graphs.find(static[:6], (RENDERED, b""), None, two, 5, renderer) is None
+    assert graphs.find_verifying(static[:6], (RENDERED, b""), None, two, 5, renderer) is None
+
+
+def eager_plain_step(cupy, logits, tokens, k: int, renderer: LogprobRenderer | None) -> list[np.ndarray]:  # noqa: ANN001
+    """The eager path's arrays of a one-request plain step: tokens, their logprobs, top ids and logprobs (, entries)."""
+    arrays = [tokens, *logprobs_on_device(cupy, logits, tokens, k)]
+    if renderer is not None:
+        arrays.append(renderer.render(cupy, *arrays, k, cupy.asarray(np.array([k])), 1, 1))
+    return [a.get() for a in arrays]
+
+
+@pytest.mark.gpu
+def test_replayed_plain_steps_equal_eager_ones(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    rng = np.random.default_rng(3)
+    for step in range(6):  # each shape captured, then replayed by both of its graphs in turn
+        static[:1] = cupy.asarray((rng.standard_normal((1, VOCAB)) * 3).astype(np.float32))
+        tokens = cupy.asarray(rng.integers(0, VOCAB, 1))  # any token: a drawn one need not be the argmax
+        for k, render in ((5, True), (3, False), (0, False)):
+            graph = graphs.find_plain(static[:1], k, renderer, np.array([k if render else -1]))
+            got = graph.launch(graph.free_slot(), tokens).result()
+            want = eager_plain_step(cupy, static[:1], tokens, k, renderer if render else None)
+            assert len(got) == len(want)
+            for g, w in zip(got[:4], want[:4]):
+                assert g.dtype == w.dtype and g.shape == w.shape
+                np.testing.assert_array_equal(g, w)
+            if render:  # the entries (past them the render's buffer is not written)
+                (mine,), (eager,) = (renderer.entries(r, 1, [(0, 1)], None) for r in (got[4], want[4]))
+                assert mine == eager and mine.data.startswith(b'{"token":')
+
+
+@pytest.mark.gpu
+def test_a_plain_graph_whose_results_are_unread_is_not_launched_again(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    static[:1] = cupy.asarray(np.random.default_rng(4).standard_normal((1, VOCAB)).astype(np.float32))
+    graph = graphs.find_plain(static[:1], 2, renderer, np.array([2]))
+    first = graph.launch(graph.free_slot(), cupy.asarray([7]))
+    second = graph.launch(graph.free_slot(), cupy.asarray([9]))
+    assert graph.free_slot() is None  # both lent
+    assert second.result()[0].tolist() == [9]
+    third = graph.launch(graph.free_slot(), cupy.asarray([11]))  # into second's graph, read
+    assert first.result()[0].tolist() == [7] and third.result()[0].tolist() == [11]
+    unread = [graph.launch(graph.free_slot(), cupy.asarray([t])) for t in (13, 15)]
+    assert graph.free_slot() is None
+    del unread[0]  # dropped unread: nobody will read it
+    assert graph.free_slot() is not None and unread[0].result()[0].tolist() == [15]
+
+
+@pytest.mark.gpu
+def test_only_one_request_plain_steps_over_the_static_logits_are_replayed(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    assert graphs.find_plain(cupy.zeros((1, VOCAB), cupy.float32), 5, renderer, np.array([5])) is None
+    assert graphs.find_plain(static[:2], 5, renderer, np.array([5, 5])) is None
+    assert graphs.find_plain(static[:1], 21, None, np.array([-1])) is None  # more than the kernel gives
 
 
 async def _one_stream(model_path: str, cuda_graphs: bool) -> list[tuple]:

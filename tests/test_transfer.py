@@ -48,6 +48,13 @@ def test_an_upload_queued_behind_device_work_takes_the_array_as_it_was_at_the_ca
         np.testing.assert_array_equal(device.get(), sent)
 
 
+def test_a_transfer_says_once_its_arrays_are_handed_out() -> None:
+    transfer = HostTransfer(np, arrays(np))
+    assert transfer.done() and not transfer.read
+    transfer.result()
+    assert transfer.read
+
+
 def test_pinned_buffers_come_in_powers_of_two() -> None:
     assert [pinned_size(n) for n in (0, 1, MIN_PINNED_BYTES, MIN_PINNED_BYTES + 1, 300_000)] == \
         [MIN_PINNED_BYTES, MIN_PINNED_BYTES, MIN_PINNED_BYTES, 2 * MIN_PINNED_BYTES, 1 << 19]

@@ -140,22 +140,30 @@ def pick_tokens(xp: Any, x: Any, rows: Sequence[SamplingRow], drawn: np.ndarray)
     return tokens, ranked
 
 
-def sample_on_device(xp: Any, logits: Any, rows: list[SamplingRow]) -> list[Any]:
+def sample_on_device(xp: Any, logits: Any, rows: Sequence[SamplingRow]) -> list[Any]:
     """Pick one token per row of logits [R, V] f32; no host synchronization.
 
     Device arrays: [tokens [R] int64], followed, when any row asks for logprobs, by the chosen
     tokens' logprobs [R] f32, top ids [R, K] int64 and top logprobs [R, K] f32.
     """
+    tokens = sample_tokens_on_device(xp, logits, rows)
+    asked = max_logprobs(rows)
+    return [tokens] if asked is None else [tokens, *logprobs_on_device(xp, logits, tokens, asked)]
+
+
+def sample_tokens_on_device(xp: Any, logits: Any, rows: Sequence[SamplingRow]) -> Any:
+    """sample_on_device's tokens [R] int64 alone."""
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must have shape [len(rows)={len(rows)}, V], got {logits.shape}")
     logits = logits.astype(xp.float32, copy=False)
-    asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-    tokens, _ = pick_tokens(xp, penalized_logits(xp, logits, rows), rows, drawn_rows(rows))
-    if not asked:
-        return [tokens]
-    return [tokens, *logprobs_on_device(xp, logits, tokens, max(asked))]
+    return pick_tokens(xp, penalized_logits(xp, logits, rows), rows, drawn_rows(rows))[0]
 
 
-def sample(xp: Any, logits: Any, rows: list[SamplingRow]) -> SamplerOutput:
+def max_logprobs(rows: Sequence[SamplingRow]) -> int | None:
+    """The most top logprobs a row asks for (K of sample_on_device's arrays); None: no row asks."""
+    return max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+
+
+def sample(xp: Any, logits: Any, rows: Sequence[SamplingRow]) -> SamplerOutput:
     """Pick one token per row of logits [R, V] f32 (on xp's device); one device-to-host transfer."""
     return SamplerOutput.from_host(fetch_arrays(xp, sample_on_device(xp, logits, rows)))

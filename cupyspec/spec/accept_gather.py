@@ -58,8 +58,9 @@ class UploadedLayout:
             DeviceRows(self.packed.data.ptr, self.num_rows)
 
     @property
-    def render_k(self) -> Any:  # [B]: it comes last
-        return self.packed[len(self.packed) - self.num_seqs:]
+    def render_k(self) -> Any:  # [B]: it comes last; on a GPU its device address
+        return self.packed[len(self.packed) - self.num_seqs:] if isinstance(self.packed, np.ndarray) else \
+            self.packed.data.ptr + 8 * (self.packed.size - self.num_seqs)
 
     def arrays(self) -> LayoutArrays:
         sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
@@ -293,9 +294,8 @@ def launch_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayou
     if renderer is not None:  # the emitted tokens' entries, from the gathered fields, by address
         shape = (layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
         *rows_at, cu_at = _rendered_fields_at(*shape)
-        render_k = layout.packed.data.ptr + 8 * (layout.packed.size - layout.num_seqs)  # it comes last
         renderer.render_into(buffer + 8 * GatheredLogprobs.buffer_size(*shape), *(buffer + at for at in rows_at), k,
-                             render_k, layout.num_seqs, layout.num_rows, buffer + cu_at)
+                             layout.render_k, layout.num_seqs, layout.num_rows, buffer + cu_at)
 
 
 @functools.lru_cache(maxsize=256)

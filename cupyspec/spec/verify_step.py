@@ -3,7 +3,8 @@
 On the GPU the log-softmax of the candidate rows runs on a second CUDA stream while the main
 stream verifies; the fused accept-and-gather kernel joins them (cupyspec/spec/accept_gather.py).
 Without a side stream (the CPU, or overlap turned off) the same work runs in sequence, and so does
-a step of one request over the forward graphs' logits, replayed as a CUDA graph (logprob_graphs.py).
+a step of one request over the forward graphs' logits, replayed as a CUDA graph
+(cupyspec/logprob_graphs.py).
 `launch_verify` queues all of it and the transfers, without waiting: first the verdict's, which
 the engine needs to form the next step, then the logprobs', which it needs only to deliver this
 one. `PendingVerdict.result` waits.
@@ -21,11 +22,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from cupyspec.logprob_graphs import LogprobGraphs
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
 from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
                                          emitted_rows, gathered_on_host, rendered_on_host)
-from cupyspec.spec.logprob_graphs import LogprobGraphs
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
@@ -108,11 +109,6 @@ class PendingVerdict:
         self._none = StepLogprobs.none(num_seqs)  # none asked, or not yet
         self._read: StepLogprobs | None = None
 
-    @property
-    def logprobs_read(self) -> bool:
-        """Whether `logprobs()` has read the logprobs' host copies (which may then be reused)."""
-        return self._read is not None
-
     def done(self) -> bool:
         """Whether the verdict is on the host (`result(logprobs=False)` would not wait)."""
         return self._runs.done()
@@ -139,7 +135,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 
     side: the CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     renderer: renders the entries of the requests `wanted.rendered` names.
-    graphs: the logprob work of small steps as CUDA graphs, in sequence (logprob_graphs.py).
+    graphs: the logprob work of small steps as CUDA graphs, in sequence (cupyspec/logprob_graphs.py).
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
@@ -148,7 +144,8 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     layout, wants_records, wants_drafts, rendered = _layout(wanted, num_drafts)
     k = max((k or 0) for k in wanted.top_logprobs)
     renderer = renderer if any(rendered) else None
-    graph = graphs.find(logits, (wanted, num_drafts), layout, inp.draft_token_ids, k, renderer) if graphs else None
+    graph = graphs.find_verifying(logits, (wanted, num_drafts), layout, inp.draft_token_ids, k, renderer) \
+        if graphs else None
     slot = graph.free_slot() if graph is not None else None
     overlap = side is not None and slot is None
     if overlap:  # the log-softmax starts once the logits are there, beside verification
@@ -173,10 +170,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
                                               rendered_on_host(host_arrays[0], on_device, k)),
                             _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
-    pending = PendingVerdict(len(inp.num_drafts), verdict, logprobs, records)
-    if slot is not None:
-        graph.lend(slot, pending)
-    return pending
+    return PendingVerdict(len(inp.num_drafts), verdict, logprobs, records)
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)

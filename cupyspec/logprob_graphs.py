@@ -1,0 +1,208 @@
+"""The logprob work of a one-request step, replayed as CUDA graphs.
+
+At one request a step's logprob work is a dozen calls into CuPy and the CUDA runtime: uploads,
+the top-k, gather and render launches and their allocations, events, the copies to the host. On
+the H100's host that took 0.2-0.3 ms a step, paid before the host could form the next step. Over
+the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py) the work of one
+step shape is captured once, with the copy of its results into pinned memory of its own:
+
+- a verifying step's (shape: the logprobs asked and the drafts verified) uploads its layout into a
+  static buffer, copies the verdict beside it and launches the graph, which runs after
+  verification on the step's stream (verification is not in it, so a side stream would have
+  nothing to overlap): at one request its 70-80 µs of GPU work end while the host forms the
+  next step;
+- a plain step's (shape: the logprobs asked) copies its sampled token into a static buffer and
+  launches the graph, which brings the token with its logprobs.
+
+Each shape has two graphs, used in turn, each lent to the HostTransfer of its results until the
+host has read them: one still lent is not launched again, and a step that finds both lent runs
+the eager path.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from cupyspec.sampling.logprob_json import LogprobRenderer
+from cupyspec.sampling.logprobs import KERNEL_MAX_K, launch_top_logprobs
+from cupyspec.spec.accept_gather import LogprobLayout, RowLogprobs, UploadedLayout, gather_size, launch_gather
+from cupyspec.transfer import HostTransfer, to_device
+
+GRAPH_MAX_SEQS = 1  # steps of up to this many requests replay graphs
+GRAPHS_CACHED = 32  # step shapes captured at most (further shapes run eagerly)
+Fields = tuple[tuple[tuple[int, ...], type], ...]  # (shape, dtype) of each array in a buffer, in order
+
+
+class LentGraphs:
+    """Device work that fills a buffer of results, and the copy of that buffer into pinned memory,
+    captured as two CUDA graphs used in turn; each lent to the HostTransfer of its results until the
+    host has read them (or dropped them)."""
+
+    def __init__(self, xp: Any, work: Callable[[], None], results: Any,
+                 host_arrays: Callable[[np.ndarray], list[np.ndarray]]) -> None:
+        """work(): queues the work on the current stream; results: the device array it fills;
+        host_arrays(a host copy of results): the arrays a launch's HostTransfer hands out."""
+        import cupyx
+
+        self._xp, self._work, self._results = xp, work, results
+        self._host = [cupyx.empty_pinned(results.shape, results.dtype) for _ in range(2)]
+        self._host_arrays = [host_arrays(host) for host in self._host]
+        self._graphs: list[Any] = []
+        self._lent: list[weakref.ref | None] = [None, None]  # the HostTransfer of each graph's results
+
+    def free_slot(self) -> int | None:
+        """A graph whose results the host has read (or nobody will), or None."""
+        for slot, lent in enumerate(self._lent):
+            transfer = lent() if lent is not None else None
+            if transfer is None or transfer.read:
+                return slot
+        return None
+
+    def _replay(self, slot: int) -> HostTransfer:
+        """Queue graph `slot` (a free one) on the current stream; the HostTransfer of its results."""
+        stream = self._xp.cuda.get_current_stream()
+        if not self._graphs:  # first use: the work once as it is (kernels loaded), then captured
+            self._run(self._host[slot])
+            for host in self._host:
+                stream.begin_capture()
+                self._run(host)
+                self._graphs.append(stream.end_capture())
+        else:
+            self._graphs[slot].launch(stream)
+        transfer = HostTransfer.queued(self._xp, list(self._host_arrays[slot]))
+        self._lent[slot] = weakref.ref(transfer)
+        return transfer
+
+    def _run(self, host: np.ndarray) -> None:
+        self._work()
+        runtime = self._xp.cuda.runtime
+        runtime.memcpyAsync(host.ctypes.data, self._results.data.ptr, host.nbytes, runtime.memcpyDeviceToHost,
+                            self._xp.cuda.get_current_stream().ptr)
+
+
+class VerifyingStepGraph(LentGraphs):
+    """A verifying step shape's static buffers and its graphs: top-k, gather (and render)."""
+
+    def __init__(self, xp: Any, logits: Any, layout: LogprobLayout, drafts: np.ndarray, k: int,
+                 renderer: LogprobRenderer | None) -> None:
+        """logits [R, V] f32: the static logits; drafts [B, K]: a step's drafts (their shape counts)."""
+        self._layout = layout
+        num_seqs = len(drafts)
+        packed_size = layout.packed(drafts, np.zeros(num_seqs, np.int64)).size
+        rows_size = RowLogprobs.size(layout.num_rows, k)
+        # [packed | runs [2, B] | the rows' logprobs | the gather's buffer]
+        workspace = xp.empty(packed_size + 2 * num_seqs + rows_size + gather_size(layout.uploaded(None, drafts), k,
+                                                                                     renderer), dtype=xp.int64)
+        self.on_device: UploadedLayout = layout.uploaded(workspace[:packed_size], drafts)
+        self._runs = workspace[packed_size:packed_size + 2 * num_seqs].reshape(2, num_seqs)
+        gathered = workspace[packed_size + 2 * num_seqs + rows_size:]
+
+        def work() -> None:
+            rows = RowLogprobs.compute(xp, logits, self.on_device.row_target, k, self._runs.data.ptr + self._runs.nbytes)
+            launch_gather(xp, logits, rows, self.on_device, self._runs, gathered.data.ptr, renderer)
+
+        super().__init__(xp, work, gathered, lambda host: [host])
+
+    def launch(self, slot: int, drafts: np.ndarray, num_drafts: np.ndarray, runs: Any) -> HostTransfer:
+        """Queue graph `slot` on the current stream for a step's drafts [B, K], num_drafts [B] and
+        verdict runs [2, B] int64 (on the device); the host copy of its GatheredLogprobs buffer."""
+        xp = self._xp
+        stream, runtime = xp.cuda.get_current_stream(), xp.cuda.runtime
+        packed = self._layout.packed(drafts, num_drafts)  # from pageable memory: staged before the call returns
+        runtime.memcpyAsync(self.on_device.packed.data.ptr, packed.ctypes.data, packed.nbytes,
+                            runtime.memcpyHostToDevice, stream.ptr)
+        runs = xp.ascontiguousarray(runs, dtype=xp.int64)
+        runtime.memcpyAsync(self._runs.data.ptr, runs.data.ptr, runs.nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
+        return self._replay(slot)
+
+
+class PlainStepGraph(LentGraphs):
+    """A plain step shape's graphs: the sampled tokens' logprobs and top k (and entries), copied to
+    the host with the tokens, as sample_on_device's arrays (and the render's)."""
+
+    def __init__(self, xp: Any, logits: Any, k: int, renderer: LogprobRenderer | None, render_k: np.ndarray) -> None:
+        """logits [R, V] f32: the static logits, a row per request; render_k [R] int64: as
+        LogprobRequests.render_k."""
+        rows = logits.shape[0]
+        fields: Fields = (((rows,), np.int64), ((rows,), np.float32), ((rows, k), np.int64), ((rows, k), np.float32))
+        if renderer is not None:
+            fields += (((renderer.rendered_size(rows, k),), np.int64),)
+        results = xp.empty(sum(_words(*field) for field in fields), dtype=xp.int64)
+        self._tokens, lps, top_ids, top_lps, *rendered = _carve(results, fields)
+        render_k = to_device(xp, render_k) if renderer is not None else None
+
+        def work() -> None:
+            launch_top_logprobs(logits, None, rows, k, None, None, top_ids, top_lps, self._tokens, lps)
+            if renderer is not None:
+                renderer.render_into(rendered[0].data.ptr, self._tokens, lps, top_ids, top_lps, k, render_k, rows,
+                                     rows)
+
+        super().__init__(xp, work, results, lambda host: _carve(host, fields))
+
+    def launch(self, slot: int, tokens: Any) -> HostTransfer:
+        """Queue graph `slot` on the current stream for the step's sampled tokens [R] int64 (on the
+        device); the HostTransfer of [tokens, their logprobs, top ids, top logprobs (, entries)]."""
+        runtime = self._xp.cuda.runtime
+        runtime.memcpyAsync(self._tokens.data.ptr, tokens.data.ptr, self._tokens.nbytes, runtime.memcpyDeviceToDevice,
+                            self._xp.cuda.get_current_stream().ptr)
+        return self._replay(slot)
+
+
+def _words(shape: tuple[int, ...], dtype: type) -> int:
+    """int64 elements that an array of shape and dtype takes in a buffer."""
+    return -(-math.prod(shape) * np.dtype(dtype).itemsize // 8)
+
+
+def _carve(buffer: Any, fields: Fields) -> list[Any]:
+    """Views of an int64 buffer (NumPy or CuPy), one per field in turn, each from an 8-byte boundary."""
+    views, at = [], 0
+    for shape, dtype in fields:
+        words = _words(shape, dtype)
+        views.append(buffer[at:at + words].view(dtype)[:math.prod(shape)].reshape(shape))
+        at += words
+    return views
+
+
+class LogprobGraphs:
+    """The captured graphs of each step shape, over one static logits buffer."""
+
+    def __init__(self, xp: Any, static_logits: Any) -> None:
+        """static_logits [rows, V] f32: the buffer the forward pass's graphs write their logits to."""
+        self._xp, self._base = xp, static_logits.data.ptr
+        self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
+
+    def find_verifying(self, logits: Any, shape: tuple, layout: LogprobLayout, drafts: np.ndarray, k: int,
+                       renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
+        """The graph of a verifying step of `shape` (hashable: the logprobs asked and the drafts'
+        counts) over logits [R, V] f32, made on first use; None when the step is not one to replay."""
+        if not self._replays(logits, len(drafts)):
+            return None
+        return self._cached(("verifying", shape, logits.shape, renderer is not None),
+                            lambda: VerifyingStepGraph(self._xp, logits, layout, drafts, k, renderer))
+
+    def find_plain(self, logits: Any, k: int, renderer: LogprobRenderer | None,
+                   render_k: np.ndarray) -> PlainStepGraph | None:
+        """The graph of a plain step over logits [R, V] f32 (a row per request) asking top k logprobs,
+        rendered for the requests render_k [R] names (and only if renderer); None when the step is
+        not one to replay."""
+        if k > KERNEL_MAX_K or not self._replays(logits, len(logits)):
+            return None
+        renderer = renderer if (render_k >= 0).any() else None
+        return self._cached(("plain", k, render_k.tobytes(), logits.shape, renderer is not None),
+                            lambda: PlainStepGraph(self._xp, logits, k, renderer, render_k))
+
+    def _replays(self, logits: Any, num_seqs: int) -> bool:
+        """Whether a step of num_seqs requests over logits replays graphs: few requests, and the
+        logits are the static buffer's."""
+        return num_seqs <= GRAPH_MAX_SEQS and logits.data.ptr == self._base
+
+    def _cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        graph = self._graphs.get(key)
+        if graph is None and len(self._graphs) < GRAPHS_CACHED:
+            graph = self._graphs[key] = make()
+        return graph
