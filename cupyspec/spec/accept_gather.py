@@ -88,12 +88,13 @@ class LogprobLayout:
         render_k [B] (default: no request's entries are rendered)."""
         with_rows = np.flatnonzero(wants_tokens | wants_drafts)  # [B'] requests that get rows
         sizes = num_drafts[with_rows] + 1  # [B']
-        row_seq = np.repeat(with_rows, sizes).astype(np.int64)  # [L]
-        row_pos = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L]
-        drafts_kept = np.where(wants_drafts, num_drafts, 0)  # [B]
-        return cls(row_target=(first_row[row_seq] + row_pos).astype(np.int64), row_seq=row_seq,
-                   row_pos=row_pos.astype(np.int64), wants_tokens=wants_tokens.astype(np.int64),
-                   draft_offset=np.concatenate([[0], np.cumsum(drafts_kept)]).astype(np.int64),
+        ends = np.cumsum(sizes)  # [B']
+        row_seq = np.repeat(with_rows, sizes).astype(np.int64, copy=False)  # [L]
+        row_pos = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64) - np.repeat(ends - sizes, sizes)  # [L]
+        draft_offset = np.zeros(len(num_drafts) + 1, np.int64)  # [B+1]
+        np.cumsum(num_drafts * wants_drafts, out=draft_offset[1:])
+        return cls(row_target=first_row[row_seq] + row_pos, row_seq=row_seq, row_pos=row_pos,
+                   wants_tokens=wants_tokens.astype(np.int64), draft_offset=draft_offset,
                    render_k=np.full(len(num_drafts), -1, np.int64) if render_k is None else render_k.astype(np.int64))
 
     @property

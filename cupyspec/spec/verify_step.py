@@ -181,14 +181,26 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, 
     and building it took some 80 µs of NumPy calls on the H100's host (the launch of a verifying
     step is on the host's critical path)."""
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
-    wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
-    wants_drafts = np.array(wanted.include_drafts)
+    wants_tokens, wants_drafts, wants = _wants(wanted)
     first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
     layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, wanted.render_k)
-    rendered = wanted.render_k >= 0
     for f in dataclasses.fields(layout):
         getattr(layout, f.name).flags.writeable = False
-    return layout, *(tuple(wants.tolist()) for wants in (wants_tokens & ~rendered, wants_drafts, rendered))
+    return layout, *wants
+
+
+@functools.lru_cache(maxsize=LAYOUTS_CACHED)
+def _wants(wanted: LogprobRequests) -> tuple[np.ndarray, np.ndarray, tuple[Wants, Wants, Wants]]:
+    """What the requests of `wanted` ask: token logprobs [B] and draft logprobs [B] (bool arrays), and
+    the wants of token records, of draft records and of rendered entries. Requests change less
+    often than the drafts: at 64 requests `_layout` misses its cache every step, this does not."""
+    wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
+    wants_drafts = np.array(wanted.include_drafts)
+    rendered = wanted.render_k >= 0
+    for wants in (wants_tokens, wants_drafts):
+        wants.flags.writeable = False
+    return wants_tokens, wants_drafts, tuple(tuple(w.tolist()) for w in (wants_tokens & ~rendered, wants_drafts,
+                                                                          rendered))
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
