@@ -23,11 +23,12 @@ extern "C" __global__ void accept_gather_logprobs(
     const long long* __restrict__ top_ids,                      // [L, k]
     const float* __restrict__ top_lps,                          // [L, k]
     int k,
-    const long long* __restrict__ runs,                         // [2, B] verdict: num_accepted, emitted token
+    const long long* __restrict__ runs,                         // [2, B] verdict: num_accepted, emitted token;
+                                                                //   null: its address ends the layout
     long long* __restrict__ out)                                // GatheredLogprobs' buffer (accept_gather.py)
 {
     // ---- inputs: row_target [L], row_seq [L], row_pos [L], wants_tokens [B], draft_offset [B+1],
-    // drafts [B, K], num_drafts [B] (then render_k [B], for cuda/logprob_json.cu)
+    // drafts [B, K], num_drafts [B] (then render_k [B], for cuda/logprob_json.cu, and the verdict's address)
     const long long* row_target = layout;
     const long long* row_seq = row_target + num_rows;
     const long long* row_pos = row_seq + num_rows;
@@ -35,8 +36,9 @@ extern "C" __global__ void accept_gather_logprobs(
     const long long* draft_offset = wants_tokens + num_seqs;
     const long long* drafts = draft_offset + num_seqs + 1;
     const long long* num_drafts = drafts + (long long)num_seqs * max_drafts;
-    const long long* num_accepted = runs;
-    const long long* emitted = runs + num_seqs;
+    const long long* verdict = runs != nullptr ? runs : (const long long*)num_drafts[2 * num_seqs];
+    const long long* num_accepted = verdict;
+    const long long* emitted = verdict + num_seqs;
     // ---- outputs: runs_out [2, B], cu_batch_token_offset [B+1], token_ids [L] (first cu[B] valid),
     // token_top_ids [L, k], draft_top_ids [D, k]; then float32: token_lps [L], token_top_lps [L, k],
     // draft_lps [D], draft_top_lps [D, k]

@@ -6,9 +6,9 @@ the H100's host that took 0.2-0.3 ms a step, paid before the host could form the
 the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py) the work of one
 step shape is captured once, with the copy of its results into pinned memory of its own:
 
-- a verifying step's (shape: the logprobs asked and the drafts verified) uploads its layout into a
-  static buffer, copies the verdict beside it and launches the graph, which runs after
-  verification on the step's stream (verification is not in it, so a side stream would have
+- a verifying step's (shape: the logprobs asked and the drafts verified) writes its layout, with
+  the address of its verdict, into pinned memory of the graph's and launches the graph, which
+  uploads it first and runs after verification on the step's stream (verification is not in it, so a side stream would have
   nothing to overlap): at one request its 70-80 µs of GPU work end while the host forms the
   next step;
 - a plain step's (shape: the logprobs asked) copies its sampled token into a static buffer and
@@ -41,17 +41,21 @@ Fields = tuple[tuple[tuple[int, ...], type], ...]  # (shape, dtype) of each arra
 class LentGraphs:
     """Device work that fills a buffer of results, and the copy of that buffer into pinned memory,
     captured as two CUDA graphs used in turn; each lent to the HostTransfer of its results until the
-    host has read them (or dropped them)."""
+    host has read them (or dropped them). A graph may start with an upload of inputs from pinned
+    memory of its own (`staged`), which the host fills before it launches the graph."""
 
     def __init__(self, xp: Any, work: Callable[[], None], results: Any,
-                 host_arrays: Callable[[np.ndarray], list[np.ndarray]]) -> None:
+                 host_arrays: Callable[[np.ndarray], list[np.ndarray]], inputs: Any | None = None) -> None:
         """work(): queues the work on the current stream; results: the device array it fills;
-        host_arrays(a host copy of results): the arrays a launch's HostTransfer hands out."""
+        host_arrays(a host copy of results): the arrays a launch's HostTransfer hands out; inputs:
+        a device array uploaded first, from `staged(slot)`, or None."""
         import cupyx
 
-        self._xp, self._work, self._results = xp, work, results
+        self._xp, self._work, self._results, self._inputs = xp, work, results, inputs
         self._host = [cupyx.empty_pinned(results.shape, results.dtype) for _ in range(2)]
         self._host_arrays = [host_arrays(host) for host in self._host]
+        self._staged = [cupyx.empty_pinned(inputs.shape, inputs.dtype) for _ in range(2)] if inputs is not None else []
+        self._events = [xp.cuda.Event(disable_timing=True) for _ in range(2)]  # made once: 5 µs each on the host
         self._graphs: list[Any] = []
         self._lent: list[weakref.ref | None] = [None, None]  # the HostTransfer of each graph's results
 
@@ -63,61 +67,65 @@ class LentGraphs:
                 return slot
         return None
 
+    def staged(self, slot: int) -> np.ndarray:
+        """The pinned inputs that graph `slot` uploads first (free slots only: a lent graph may not have
+        uploaded them yet)."""
+        return self._staged[slot]
+
     def _replay(self, slot: int) -> HostTransfer:
         """Queue graph `slot` (a free one) on the current stream; the HostTransfer of its results."""
         stream = self._xp.cuda.get_current_stream()
         if not self._graphs:  # first use: the work once as it is (kernels loaded), then captured
-            self._run(self._host[slot])
-            for host in self._host:
+            self._run(slot)
+            for each in range(2):
                 stream.begin_capture()
-                self._run(host)
+                self._run(each)
                 self._graphs.append(stream.end_capture())
         else:
             self._graphs[slot].launch(stream)
-        transfer = HostTransfer.queued(self._xp, list(self._host_arrays[slot]))
+        transfer = HostTransfer.queued(self._xp, list(self._host_arrays[slot]), self._events[slot])
         self._lent[slot] = weakref.ref(transfer)
         return transfer
 
-    def _run(self, host: np.ndarray) -> None:
+    def _run(self, slot: int) -> None:
+        runtime, stream = self._xp.cuda.runtime, self._xp.cuda.get_current_stream().ptr
+        if self._inputs is not None:
+            staged = self._staged[slot]
+            runtime.memcpyAsync(self._inputs.data.ptr, staged.ctypes.data, staged.nbytes, runtime.memcpyHostToDevice,
+                                stream)
         self._work()
-        runtime = self._xp.cuda.runtime
-        runtime.memcpyAsync(host.ctypes.data, self._results.data.ptr, host.nbytes, runtime.memcpyDeviceToHost,
-                            self._xp.cuda.get_current_stream().ptr)
+        host = self._host[slot]
+        runtime.memcpyAsync(host.ctypes.data, self._results.data.ptr, host.nbytes, runtime.memcpyDeviceToHost, stream)
 
 
 class VerifyingStepGraph(LentGraphs):
-    """A verifying step shape's static buffers and its graphs: top-k, gather (and render)."""
+    """A verifying step shape's static buffers and its graphs: the layout's upload, top-k, gather (and
+    render). The gather reads the verdict where the layout's last element says (`LogprobLayout.packed`)."""
 
     def __init__(self, xp: Any, logits: Any, layout: LogprobLayout, drafts: np.ndarray, k: int,
                  renderer: LogprobRenderer | None) -> None:
         """logits [R, V] f32: the static logits; drafts [B, K]: a step's drafts (their shape counts)."""
         self._layout = layout
-        num_seqs = len(drafts)
-        packed_size = layout.packed(drafts, np.zeros(num_seqs, np.int64)).size
+        packed_size = layout.packed(drafts, np.zeros(len(drafts), np.int64)).size
         rows_size = RowLogprobs.size(layout.num_rows, k)
-        # [packed | runs [2, B] | the rows' logprobs | the gather's buffer]
-        workspace = xp.empty(packed_size + 2 * num_seqs + rows_size + gather_size(layout.uploaded(None, drafts), k,
-                                                                                     renderer), dtype=xp.int64)
+        # [packed | the rows' logprobs | the gather's buffer]
+        workspace = xp.empty(packed_size + rows_size + gather_size(layout.uploaded(None, drafts), k, renderer),
+                             dtype=xp.int64)
         self.on_device: UploadedLayout = layout.uploaded(workspace[:packed_size], drafts)
-        self._runs = workspace[packed_size:packed_size + 2 * num_seqs].reshape(2, num_seqs)
-        gathered = workspace[packed_size + 2 * num_seqs + rows_size:]
+        gathered = workspace[packed_size + rows_size:]
 
         def work() -> None:
-            rows = RowLogprobs.compute(xp, logits, self.on_device.row_target, k, self._runs.data.ptr + self._runs.nbytes)
-            launch_gather(xp, logits, rows, self.on_device, self._runs, gathered.data.ptr, renderer)
+            rows = RowLogprobs.compute(xp, logits, self.on_device.row_target, k, workspace.data.ptr + 8 * packed_size)
+            launch_gather(xp, logits, rows, self.on_device, None, gathered.data.ptr, renderer)
 
-        super().__init__(xp, work, gathered, lambda host: [host])
+        super().__init__(xp, work, gathered, lambda host: [host], self.on_device.packed)
+        self._verdicts: list[Any] = [None, None]  # each graph's verdict, kept until the graph is launched again
 
     def launch(self, slot: int, drafts: np.ndarray, num_drafts: np.ndarray, runs: Any) -> HostTransfer:
         """Queue graph `slot` on the current stream for a step's drafts [B, K], num_drafts [B] and
         verdict runs [2, B] int64 (on the device); the host copy of its GatheredLogprobs buffer."""
-        xp = self._xp
-        stream, runtime = xp.cuda.get_current_stream(), xp.cuda.runtime
-        packed = self._layout.packed(drafts, num_drafts)  # from pageable memory: staged before the call returns
-        runtime.memcpyAsync(self.on_device.packed.data.ptr, packed.ctypes.data, packed.nbytes,
-                            runtime.memcpyHostToDevice, stream.ptr)
-        runs = xp.ascontiguousarray(runs, dtype=xp.int64)
-        runtime.memcpyAsync(self._runs.data.ptr, runs.data.ptr, runs.nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
+        runs = self._verdicts[slot] = self._xp.ascontiguousarray(runs, dtype=self._xp.int64)
+        self._layout.packed(drafts, num_drafts, runs.data.ptr, out=self.staged(slot))
         return self._replay(slot)
 
 

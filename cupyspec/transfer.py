@@ -41,12 +41,14 @@ class HostTransfer:
                         for a, offset in zip(sources, offsets)]
 
     @classmethod
-    def queued(cls, xp: Any, host_arrays: list[np.ndarray]) -> HostTransfer:
+    def queued(cls, xp: Any, host_arrays: list[np.ndarray], event: Any | None = None) -> HostTransfer:
         """Host arrays (pinned) that copies already queued on the current stream write, a CUDA
-        graph's say: done once the stream has run them."""
+        graph's say: done once the stream has run them. event: the CUDA event to record (one that
+        nothing else waits on any more), or None for a new one."""
         transfer = cls.__new__(cls)
         transfer._arrays, transfer._sources, transfer.read = host_arrays, None, False
-        transfer._event = xp.cuda.get_current_stream().record(xp.cuda.Event(disable_timing=True))
+        transfer._event = xp.cuda.get_current_stream().record(
+            event if event is not None else xp.cuda.Event(disable_timing=True))
         return transfer
 
     def done(self) -> bool:

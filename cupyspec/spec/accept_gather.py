@@ -21,7 +21,8 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprob_json import LogprobRenderer
-from cupyspec.sampling.logprobs import KERNEL_MAX_K, DeviceRows, launch_top_logprobs, top_logprobs_on_device
+from cupyspec.sampling.logprobs import (KERNEL_MAX_K, NULL_POINTER, DeviceRows, launch_top_logprobs,
+                                        top_logprobs_on_device)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import to_device
 
@@ -46,7 +47,7 @@ class UploadedLayout:
     """A `LogprobLayout` and the drafts on the device: LayoutArrays' fields, flat and in order, in
     one int64 array, which the kernel takes whole (each view CuPy makes costs the host microseconds)."""
 
-    packed: Any  # [3L + 2B + 1 + B*K + B + B] int64 (render_k last)
+    packed: Any  # [3L + 2B + 1 + B*K + B + B + 1] int64 (then render_k, then the verdict's address or 0)
     num_seqs: int  # B
     num_rows: int  # L
     max_drafts: int  # K
@@ -58,9 +59,10 @@ class UploadedLayout:
             DeviceRows(self.packed.data.ptr, self.num_rows)
 
     @property
-    def render_k(self) -> Any:  # [B]: it comes last; on a GPU its device address
-        return self.packed[len(self.packed) - self.num_seqs:] if isinstance(self.packed, np.ndarray) else \
-            self.packed.data.ptr + 8 * (self.packed.size - self.num_seqs)
+    def render_k(self) -> Any:  # [B]: before the verdict's address; on a GPU its device address
+        at = len(self.packed) - self.num_seqs - 1
+        return self.packed[at:at + self.num_seqs] if isinstance(self.packed, np.ndarray) else \
+            self.packed.data.ptr + 8 * at
 
     def arrays(self) -> LayoutArrays:
         sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
@@ -114,9 +116,13 @@ class LogprobLayout:
         """The layout, drafts [B, K], num_drafts [B] and render_k [B] on the device, in one copy."""
         return self.uploaded(to_device(xp, self.packed(drafts, num_drafts)), drafts)
 
-    def packed(self, drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-        """UploadedLayout.packed's host array, with drafts [B, K] and num_drafts [B]."""
-        return np.concatenate([self.flat, drafts.ravel(), num_drafts, self.render_k]).astype(np.int64, copy=False)
+    def packed(self, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """UploadedLayout.packed's host array (into `out` if given), with drafts [B, K], num_drafts [B]
+        and the device address of the verdict runs [2, B], which the gather then reads instead of
+        its argument (0: none)."""
+        parts = (self.flat, drafts.ravel(), num_drafts, self.render_k, (verdict_at,))
+        return np.concatenate(parts, dtype=np.int64) if out is None else np.concatenate(parts, out=out)
 
     def uploaded(self, packed: Any, drafts: np.ndarray) -> UploadedLayout:
         """The layout as uploaded in `packed` (the device array of `packed()`), for drafts [B, K]."""
@@ -282,7 +288,8 @@ def gather_size(layout: UploadedLayout, k: int, renderer: LogprobRenderer | None
 def launch_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayout, runs: Any, buffer: int,
                   renderer: LogprobRenderer | None = None) -> None:
     """accept_and_gather on a GPU into gather_size(layout, k, renderer) int64 at the device address
-    `buffer`, on the current stream: one kernel, and one more for the entries."""
+    `buffer`, on the current stream: one kernel, and one more for the entries. runs None: the
+    verdict's address is in the layout (`LogprobLayout.packed`)."""
     if not layout.num_seqs:
         return
     k = rows.k
@@ -291,7 +298,7 @@ def launch_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayou
         np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts),
         np.int32(layout.num_draft_slots), *(np.uint64(a) if isinstance(a, int) else a for a in (
             rows.peak, rows.log_total, rows.top_ids, rows.top_lps)), np.int32(k),
-        xp.ascontiguousarray(runs, dtype=xp.int64), np.uint64(buffer)))
+        NULL_POINTER if runs is None else xp.ascontiguousarray(runs, dtype=xp.int64), np.uint64(buffer)))
     if renderer is not None:  # the emitted tokens' entries, from the gathered fields, by address
         shape = (layout.num_seqs, layout.num_rows, layout.num_draft_slots, k)
         *rows_at, cu_at = _rendered_fields_at(*shape)
