@@ -1,22 +1,24 @@
-"""The logprob work of a one-request step, replayed as CUDA graphs.
+"""A step's logprob work, replayed as CUDA graphs.
 
-At one request a step's logprob work is a dozen calls into CuPy and the CUDA runtime: uploads,
-the top-k, gather and render launches and their allocations, events, the copies to the host. On
-the H100's host that took 0.2-0.3 ms a step, paid before the host could form the next step. Over
-the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py) the work of one
-step shape is captured once, with the copy of its results into pinned memory of its own:
+A step's logprob work is a dozen calls into CuPy and the CUDA runtime: uploads, the top-k, gather
+and render launches and their allocations, events, the copies to the host. On the H100's host
+that took 0.2-0.3 ms a step, at one request as at 64, paid before the host could form the next
+step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py)
+the work of one step shape is captured once, with the copy of its results into pinned memory of
+its own:
 
-- a verifying step's (shape: the logprobs asked and the drafts verified) writes its layout, with
-  the address of its verdict, into pinned memory of the graph's and launches the graph, which
-  uploads it first and runs after verification on the step's stream (verification is not in it, so a side stream would have
-  nothing to overlap): at one request its 70-80 µs of GPU work end while the host forms the
-  next step;
-- a plain step's (shape: the logprobs asked) copies its sampled token into a static buffer and
-  launches the graph, which brings the token with its logprobs.
+- a verifying step's (shape: its sizes, `LayoutShape`, padded, and the top logprobs) writes its
+  layout, with the address of its verdict, into pinned memory of the graph's and launches the
+  graph, which uploads it first and runs after verification on the step's stream (verification is
+  not in it, so a side stream would have nothing to overlap). Rows past the step's score nothing,
+  requests past its own ask nothing, so that a few shapes serve every step;
+- a one-request plain step's (shape: the logprobs asked) copies its sampled token into a static
+  buffer and launches the graph, which brings the token with its logprobs.
 
 Each shape has two graphs, used in turn, each lent to the HostTransfer of its results until the
 host has read them: one still lent is not launched again, and a step that finds both lent runs
-the eager path.
+the eager path. The graphs' work ends on the GPU while the host forms the next step: the verdict's
+copy to the host is queued before it.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import numpy as np
 
 from cupyspec.sampling.logprob_json import LogprobRenderer
 from cupyspec.sampling.logprobs import KERNEL_MAX_K, launch_top_logprobs
-from cupyspec.spec.accept_gather import LogprobLayout, RowLogprobs, UploadedLayout, gather_size, launch_gather
+from cupyspec.spec.accept_gather import (LayoutShape, LogprobLayout, RowLogprobs, UploadedLayout, gather_size,
+                                         launch_gather)
 from cupyspec.transfer import HostTransfer, to_device
 
-GRAPH_MAX_SEQS = 1  # steps of up to this many requests replay graphs
-GRAPHS_CACHED = 32  # step shapes captured at most (further shapes run eagerly)
+PLAIN_GRAPH_MAX_SEQS = 1  # plain steps of up to this many requests replay graphs
+GRAPHS_CACHED = 64  # step shapes captured at most (further shapes run eagerly)
+SMALL_SIZES = 16  # sizes up to this are padded to a power of two, larger ones to a multiple of it
 Fields = tuple[tuple[tuple[int, ...], type], ...]  # (shape, dtype) of each array in a buffer, in order
 
 
@@ -100,32 +104,33 @@ class LentGraphs:
 
 class VerifyingStepGraph(LentGraphs):
     """A verifying step shape's static buffers and its graphs: the layout's upload, top-k, gather (and
-    render). The gather reads the verdict where the layout's last element says (`LogprobLayout.packed`)."""
+    render). The gather reads the verdict where the layout's tail says (`LogprobLayout.packed`)."""
 
-    def __init__(self, xp: Any, logits: Any, layout: LogprobLayout, drafts: np.ndarray, k: int,
-                 renderer: LogprobRenderer | None) -> None:
-        """logits [R, V] f32: the static logits; drafts [B, K]: a step's drafts (their shape counts)."""
-        self._layout = layout
-        packed_size = layout.packed(drafts, np.zeros(len(drafts), np.int64)).size
-        rows_size = RowLogprobs.size(layout.num_rows, k)
+    def __init__(self, xp: Any, logits: Any, shape: LayoutShape, k: int, renderer: LogprobRenderer | None) -> None:
+        """logits [R, V] f32: the static logits; shape: the padded sizes of the steps it serves."""
+        rows_size = RowLogprobs.size(shape.num_rows, k)
         # [packed | the rows' logprobs | the gather's buffer]
-        workspace = xp.empty(packed_size + rows_size + gather_size(layout.uploaded(None, drafts), k, renderer),
+        workspace = xp.empty(shape.packed_size + rows_size + gather_size(UploadedLayout(None, *shape), k, renderer),
                              dtype=xp.int64)
-        self.on_device: UploadedLayout = layout.uploaded(workspace[:packed_size], drafts)
-        gathered = workspace[packed_size + rows_size:]
+        self.on_device = UploadedLayout(workspace[:shape.packed_size], *shape)
+        gathered = workspace[shape.packed_size + rows_size:]
 
         def work() -> None:
-            rows = RowLogprobs.compute(xp, logits, self.on_device.row_target, k, workspace.data.ptr + 8 * packed_size)
+            rows = RowLogprobs.compute(xp, logits, self.on_device.row_target, k,
+                                       workspace.data.ptr + 8 * shape.packed_size)
             launch_gather(xp, logits, rows, self.on_device, None, gathered.data.ptr, renderer)
 
         super().__init__(xp, work, gathered, lambda host: [host], self.on_device.packed)
+        self._shape = shape
         self._verdicts: list[Any] = [None, None]  # each graph's verdict, kept until the graph is launched again
 
-    def launch(self, slot: int, drafts: np.ndarray, num_drafts: np.ndarray, runs: Any) -> HostTransfer:
-        """Queue graph `slot` on the current stream for a step's drafts [B, K], num_drafts [B] and
-        verdict runs [2, B] int64 (on the device); the host copy of its GatheredLogprobs buffer."""
+    def launch(self, slot: int, layout: LogprobLayout, drafts: np.ndarray, num_drafts: np.ndarray,
+               runs: Any) -> HostTransfer:
+        """Queue graph `slot` on the current stream for a step's layout, drafts [B, K], num_drafts [B]
+        and verdict runs [2, B] int64 (on the device); the host copy of its GatheredLogprobs buffer
+        (of the graph's shape, `on_device`)."""
         runs = self._verdicts[slot] = self._xp.ascontiguousarray(runs, dtype=self._xp.int64)
-        self._layout.packed(drafts, num_drafts, runs.data.ptr, out=self.staged(slot))
+        layout.packed(self._shape, drafts, num_drafts, runs.data.ptr, out=self.staged(slot))
         return self._replay(slot)
 
 
@@ -161,6 +166,14 @@ class PlainStepGraph(LentGraphs):
         return self._replay(slot)
 
 
+def padded(size: int) -> int:
+    """A size of a verifying graph's shape, padded: powers of two up to SMALL_SIZES, then its multiples
+    (few shapes to capture, and at most SMALL_SIZES - 1 rows or requests of padding)."""
+    if size <= 1:
+        return size
+    return min(1 << (size - 1).bit_length(), -(-size // SMALL_SIZES) * SMALL_SIZES)
+
+
 def _words(shape: tuple[int, ...], dtype: type) -> int:
     """int64 elements that an array of shape and dtype takes in a buffer."""
     return -(-math.prod(shape) * np.dtype(dtype).itemsize // 8)
@@ -181,33 +194,29 @@ class LogprobGraphs:
 
     def __init__(self, xp: Any, static_logits: Any) -> None:
         """static_logits [rows, V] f32: the buffer the forward pass's graphs write their logits to."""
-        self._xp, self._base = xp, static_logits.data.ptr
+        self._xp, self._logits, self._base = xp, static_logits, static_logits.data.ptr
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
-    def find_verifying(self, logits: Any, shape: tuple, layout: LogprobLayout, drafts: np.ndarray, k: int,
+    def find_verifying(self, logits: Any, layout: LogprobLayout, drafts: np.ndarray, k: int,
                        renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
-        """The graph of a verifying step of `shape` (hashable: the logprobs asked and the drafts'
-        counts) over logits [R, V] f32, made on first use; None when the step is not one to replay."""
-        if not self._replays(logits, len(drafts)):
+        """The graph of verifying steps like the one of `layout` and drafts [B, K] over logits [R, V]
+        f32 (their sizes padded, `padded`), made on first use; None when the step is not one to replay."""
+        if k > KERNEL_MAX_K or logits.data.ptr != self._base:
             return None
-        return self._cached(("verifying", shape, logits.shape, renderer is not None),
-                            lambda: VerifyingStepGraph(self._xp, logits, layout, drafts, k, renderer))
+        shape = LayoutShape(*map(padded, layout.shape(drafts)))
+        return self._cached(("verifying", shape, k, renderer is not None),
+                            lambda: VerifyingStepGraph(self._xp, self._logits, shape, k, renderer))
 
     def find_plain(self, logits: Any, k: int, renderer: LogprobRenderer | None,
                    render_k: np.ndarray) -> PlainStepGraph | None:
         """The graph of a plain step over logits [R, V] f32 (a row per request) asking top k logprobs,
         rendered for the requests render_k [R] names (and only if renderer); None when the step is
         not one to replay."""
-        if k > KERNEL_MAX_K or not self._replays(logits, len(logits)):
+        if k > KERNEL_MAX_K or len(logits) > PLAIN_GRAPH_MAX_SEQS or logits.data.ptr != self._base:
             return None
         renderer = renderer if (render_k >= 0).any() else None
         return self._cached(("plain", k, render_k.tobytes(), logits.shape, renderer is not None),
                             lambda: PlainStepGraph(self._xp, logits, k, renderer, render_k))
-
-    def _replays(self, logits: Any, num_seqs: int) -> bool:
-        """Whether a step of num_seqs requests over logits replays graphs: few requests, and the
-        logits are the static buffer's."""
-        return num_seqs <= GRAPH_MAX_SEQS and logits.data.ptr == self._base
 
     def _cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         graph = self._graphs.get(key)

@@ -10,12 +10,12 @@ import pytest
 from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
-                                         gathered_on_host)
+from cupyspec.spec.accept_gather import (GatheredLogprobs, LayoutShape, LogprobLayout, RowLogprobs, UploadedLayout,
+                                         accept_and_gather, gathered_on_host)
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
 from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, launch_verify, verify_with_logprobs
 from cupyspec.token_text import TokenText
-from cupyspec.transfer import fetch_arrays
+from cupyspec.transfer import fetch_arrays, to_device
 
 
 class NumberTokenizer:
@@ -87,6 +87,47 @@ def test_twin_matches_a_per_request_reference(batch: int, max_drafts: int, k: in
                 draft_slot += 1
     assert cu[batch] == slot and np.all(token_ids[slot:] == PLACEHOLDER_TOKEN_ID) and draft_slot == len(draft_lps)
     assert not token_lps[slot:].any() and not token_top_ids[slot:].any() and not token_top_lps[slot:].any()
+
+
+def padded_gather(xp, case: dict, shape: LayoutShape, rows: RowLogprobs | None = None,  # noqa: ANN001
+                  verdict_at_address: bool = False) -> GatheredLogprobs:
+    """The gathered logprobs of a case whose layout is padded to `shape`, on the host: by the verdict
+    passed, or (on a GPU) read where the layout's tail says."""
+    logits, drafts, num_drafts = xp.asarray(case["logits"]), case["drafts"], case["num_drafts"]
+    runs = xp.asarray(np.stack([case["num_accepted"], case["emitted"]]))  # [2, B]
+    verdict_at = runs.data.ptr if verdict_at_address else 0
+    layout = UploadedLayout(to_device(xp, case["layout"].packed(shape, drafts, num_drafts, verdict_at)), *shape)
+    rows = rows or RowLogprobs.compute(xp, logits, layout.row_target, case["k"])
+    buffer = accept_and_gather(xp, logits, rows, layout, None if verdict_at_address else runs)
+    return gathered_on_host(fetch_arrays(xp, [buffer])[0], layout, case["k"])
+
+
+def padding_of(case: dict, extra: tuple[int, int, int, int]) -> LayoutShape:
+    """The case's layout shape, each size larger by `extra`."""
+    return LayoutShape(*(size + more for size, more in zip(case["layout"].shape(case["drafts"]), extra)))
+
+
+def assert_padding_asks_nothing(got: GatheredLogprobs, want: GatheredLogprobs) -> None:
+    """`got`, of a padded layout, holds `want` (the step's own) and past it what no request asked."""
+    batch, rows, slots = want.runs.shape[1], len(want.token_ids), len(want.draft_lps)
+    np.testing.assert_array_equal(got.runs[:, :batch], want.runs)
+    assert not got.runs[0, batch:].any() and np.all(got.runs[1, batch:] == PLACEHOLDER_TOKEN_ID)
+    np.testing.assert_array_equal(got.cu_batch_token_offset[:batch + 1], want.cu_batch_token_offset)
+    assert np.all(got.cu_batch_token_offset[batch:] == want.cu_batch_token_offset[-1])
+    for name in ("token_ids", "token_lps", "token_top_ids", "token_top_lps"):
+        np.testing.assert_array_equal(getattr(got, name)[:rows], getattr(want, name))
+    assert np.all(got.token_ids[rows:] == PLACEHOLDER_TOKEN_ID) and not got.token_lps[rows:].any()
+    for name in ("draft_lps", "draft_top_ids", "draft_top_lps"):
+        np.testing.assert_array_equal(getattr(got, name)[:slots], getattr(want, name))
+        assert not getattr(got, name)[slots:].any()
+
+
+@pytest.mark.parametrize("batch,max_drafts,k,extra", [(1, 2, 3, (0, 2, 0, 0)), (5, 3, 2, (3, 5, 2, 4)),
+                                                      (17, 8, 5, (15, 13, 8, 0))])
+def test_a_padded_layout_gathers_what_the_step_asks(batch: int, max_drafts: int, k: int,
+                                                    extra: tuple[int, int, int, int]) -> None:
+    case = random_case(np.random.default_rng(batch + 100), batch, max_drafts, vocab=300, k=k)
+    assert_padding_asks_nothing(padded_gather(np, case, padding_of(case, extra)), gather(np, case))
 
 
 def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted() -> None:
@@ -162,6 +203,26 @@ def test_kernel_matches_twin(batch: int, max_drafts: int, k: int) -> None:
                                                           host_rows.top_lps)), k)
     for want, got in zip(fields(gather(np, case, host_rows)), fields(gather(cupy, case, device_rows))):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_drafts,k,extra", [(1, 3, 5, (0, 2, 0, 0)), (64, 5, 5, (0, 12, 3, 0)),
+                                                      (40, 5, 20, (8, 16, 3, 16))])
+def test_a_padded_kernel_reads_the_verdict_where_the_layout_says(batch: int, max_drafts: int, k: int,
+                                                                 extra: tuple[int, int, int, int]) -> None:
+    import cupy
+
+    case = random_case(np.random.default_rng(batch + k + 7), batch, max_drafts, vocab=49152, k=k)
+    shape = padding_of(case, extra)
+    host_layout = UploadedLayout(case["layout"].packed(shape, case["drafts"], case["num_drafts"]), *shape)
+    host_rows = RowLogprobs.compute(np, case["logits"], host_layout.row_target, k)
+    device_rows = RowLogprobs(*(cupy.asarray(a) for a in (host_rows.peak, host_rows.log_total, host_rows.top_ids,
+                                                          host_rows.top_lps)), k)
+    want = padded_gather(np, case, shape, host_rows)
+    got = padded_gather(cupy, case, shape, device_rows, verdict_at_address=True)
+    for w, g in zip(fields(want), fields(got)):
+        np.testing.assert_array_equal(g, w)
+    assert_padding_asks_nothing(got, gather(np, case))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""A one-request step's logprob work replayed as a CUDA graph gives what the eager path gives."""
+"""A step's logprob work replayed as a CUDA graph gives what the eager path gives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from cupyspec.sampling.logprobs import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, launch_verify
+from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, _layout, launch_verify
 from cupyspec.token_text import TokenText
 
 VOCAB, MAX_DRAFTS = 5000, 5
@@ -47,7 +47,7 @@ def device():  # noqa: ANN201
 
     from cupyspec.logprob_graphs import LogprobGraphs
 
-    static = cupy.empty((MAX_DRAFTS + 3, VOCAB), cupy.float32)  # the forward graphs' logits
+    static = cupy.empty((16 * (MAX_DRAFTS + 1), VOCAB), cupy.float32)  # the forward graphs' logits
     renderer = LogprobRenderer(cupy, VocabJSON.build(TokenText(NumberTokenizer()), VOCAB))
     with cupy.cuda.Stream(non_blocking=True):  # capture needs a stream of its own
         yield cupy, static, LogprobGraphs(cupy, static), renderer
@@ -84,14 +84,62 @@ def test_a_graph_whose_results_are_unread_is_not_launched_again(device) -> None:
         assert_same(got.result(), want)
 
 
+def many_request_step(rng: np.random.Generator, num_drafts: np.ndarray) -> tuple[np.ndarray, VerifyInput,
+                                                                                  LogprobRequests]:
+    """Logits, the greedy drafts of requests with num_drafts [B] each (each draft its row's argmax half
+    of the time) and what they ask: records or rendered entries of various top k, drafts."""
+    batch = len(num_drafts)
+    drafts = np.full((batch, num_drafts.max()), PLACEHOLDER_TOKEN_ID, np.int64)
+    logits = (rng.standard_normal((int((num_drafts + 1).sum()), VOCAB)) * 3).astype(np.float32)
+    row = 0
+    for b, n in enumerate(num_drafts):
+        drafts[b, :n] = rng.integers(0, VOCAB, n)
+        for j in range(n):
+            if rng.random() < 0.5:
+                logits[row + j, drafts[b, j]] = 30.0
+        row += n + 1
+    rows = (SamplingRow(SamplingParams(temperature=0.0), 0.0),) * len(logits)
+    requests = range(batch)
+    wanted = LogprobRequests(tuple((5, None, 3, 0)[b % 4] for b in requests), tuple(b % 3 == 0 for b in requests),
+                             tuple(b % 2 == 0 for b in requests))
+    return logits, VerifyInput(drafts, num_drafts, None, rows, np.zeros(len(logits))), wanted
+
+
 @pytest.mark.gpu
-def test_only_one_request_steps_over_the_static_logits_are_replayed(device) -> None:  # noqa: ANN001
+def test_replayed_steps_of_many_requests_equal_eager_ones(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
-    logits, inp = one_request_step(np.random.default_rng(2), 2)
-    elsewhere = cupy.asarray(logits)
-    assert graphs.find_verifying(elsewhere, (RENDERED, b""), None, inp.draft_token_ids, 5, renderer) is None
-    two = np.concatenate([inp.draft_token_ids] * 2)
-    assert graphs.find_verifying(static[:6], (RENDERED, b""), None, two, 5, renderer) is None
+    rng = np.random.default_rng(5)
+    accepted = 0
+    for batch in (7, 7, 5, 7, 12, 7):  # steps of other sizes padded alike share a graph
+        num_drafts = rng.integers(0, MAX_DRAFTS + 1, batch)
+        num_drafts[0] = max(num_drafts[0], 1)  # a verifying step
+        logits, inp, wanted = many_request_step(rng, num_drafts)
+        static[:len(logits)] = cupy.asarray(logits)
+        view = static[:len(logits)]
+        got = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer, graphs).result()
+        want = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer).result()
+        assert_same(got, want)
+        assert any(got.logprobs.rendered) and any(got.logprobs.tokens) and any(got.logprobs.drafts)
+        accepted += sum(got.num_accepted)
+    assert accepted > 0
+
+
+@pytest.mark.gpu
+def test_steps_padded_alike_share_a_graph_and_only_static_logits_replay(device) -> None:  # noqa: ANN001
+    cupy, static, graphs, renderer = device
+    rng = np.random.default_rng(6)
+    found = []
+    # the requests asking something have 16 and 15 rows: padded, 8 requests, 16 rows, 4 drafts, 8 draft slots twice
+    for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9):
+        _, inp, wanted = many_request_step(rng, np.array(num_drafts))
+        layout = _layout(wanted, inp.num_drafts.tobytes())[0]
+        found.append(graphs.find_verifying(static[:layout.num_rows], layout, inp.draft_token_ids, 5, renderer))
+    assert found[0] is found[1] and found[0].on_device.num_seqs == 8 and found[0].on_device.num_rows == 16
+    assert found[2] is not found[0] and found[2].on_device.num_seqs == 16
+    logits, inp, wanted = many_request_step(rng, np.array([2, 1]))
+    layout = _layout(wanted, inp.num_drafts.tobytes())[0]
+    assert graphs.find_verifying(cupy.asarray(logits), layout, inp.draft_token_ids, 5, renderer) is None
+    assert graphs.find_verifying(static[:len(logits)], layout, inp.draft_token_ids, 21, None) is None
 
 
 def eager_plain_step(cupy, logits, tokens, k: int, renderer: LogprobRenderer | None) -> list[np.ndarray]:  # noqa: ANN001

@@ -42,12 +42,31 @@ class LayoutArrays(NamedTuple):
     num_drafts: Any  # [B]
 
 
+PAD_POSITION = 1 << 62  # row_pos of a padding row: past every request's drafts, so it scores nothing
+
+
+class LayoutShape(NamedTuple):
+    """The sizes of an uploaded layout: B requests, L rows, K drafts a request at most, D draft slots.
+    A CUDA graph's are padded: rows past a step's score nothing, requests past its ask nothing."""
+
+    num_seqs: int  # B
+    num_rows: int  # L
+    max_drafts: int  # K
+    num_draft_slots: int  # D
+
+    @property
+    def packed_size(self) -> int:
+        """int64 elements of UploadedLayout.packed."""
+        b, rows, k, _ = self
+        return 3 * rows + 2 * b + 1 + b * k + b + b + 2
+
+
 @dataclass(frozen=True)
 class UploadedLayout:
     """A `LogprobLayout` and the drafts on the device: LayoutArrays' fields, flat and in order, in
     one int64 array, which the kernel takes whole (each view CuPy makes costs the host microseconds)."""
 
-    packed: Any  # [3L + 2B + 1 + B*K + B + B + 1] int64 (then render_k, then the verdict's address or 0)
+    packed: Any  # [LayoutShape.packed_size] int64: LayoutArrays' fields, render_k [B], the verdict's address and B
     num_seqs: int  # B
     num_rows: int  # L
     max_drafts: int  # K
@@ -59,8 +78,8 @@ class UploadedLayout:
             DeviceRows(self.packed.data.ptr, self.num_rows)
 
     @property
-    def render_k(self) -> Any:  # [B]: before the verdict's address; on a GPU its device address
-        at = len(self.packed) - self.num_seqs - 1
+    def render_k(self) -> Any:  # [B]: before the verdict's address and B; on a GPU its device address
+        at = len(self.packed) - self.num_seqs - 2
         return self.packed[at:at + self.num_seqs] if isinstance(self.packed, np.ndarray) else \
             self.packed.data.ptr + 8 * at
 
@@ -107,26 +126,41 @@ class LogprobLayout:
     def num_draft_slots(self) -> int:
         return int(self.draft_offset[-1])
 
-    @functools.cached_property
-    def flat(self) -> np.ndarray:
-        """[3L + 2B + 1] int64: the arrays, in order, as UploadedLayout.packed starts."""
-        return np.concatenate([self.row_target, self.row_seq, self.row_pos, self.wants_tokens, self.draft_offset])
+    def shape(self, drafts: np.ndarray) -> LayoutShape:
+        """The layout's sizes with drafts [B, K]."""
+        return LayoutShape(len(drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
 
     def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
         """The layout, drafts [B, K], num_drafts [B] and render_k [B] on the device, in one copy."""
-        return self.uploaded(to_device(xp, self.packed(drafts, num_drafts)), drafts)
+        shape = self.shape(drafts)
+        return UploadedLayout(to_device(xp, self.packed(shape, drafts, num_drafts)), *shape)
 
-    def packed(self, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
+    def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
                out: np.ndarray | None = None) -> np.ndarray:
-        """UploadedLayout.packed's host array (into `out` if given), with drafts [B, K], num_drafts [B]
-        and the device address of the verdict runs [2, B], which the gather then reads instead of
-        its argument (0: none)."""
-        parts = (self.flat, drafts.ravel(), num_drafts, self.render_k, (verdict_at,))
-        return np.concatenate(parts, dtype=np.int64) if out is None else np.concatenate(parts, out=out)
-
-    def uploaded(self, packed: Any, drafts: np.ndarray) -> UploadedLayout:
-        """The layout as uploaded in `packed` (the device array of `packed()`), for drafts [B, K]."""
-        return UploadedLayout(packed, len(drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
+        """UploadedLayout.packed's host array (into `out` if given) for a shape at least the layout's
+        (`shape(drafts)`), with drafts [B, K], num_drafts [B] and the device address of the verdict
+        runs [2, B], which the gather then reads instead of its argument (0: none). Rows past the
+        layout's score nothing; requests past its B ask nothing (and have no verdict)."""
+        b, rows, k, _ = shape
+        live_b, live_rows, live_k = len(drafts), self.num_rows, drafts.shape[1]
+        out = np.empty(shape.packed_size, np.int64) if out is None else out
+        row_fields = out[:3 * rows].reshape(3, rows)  # row_target, row_seq, row_pos
+        row_fields[0, :live_rows], row_fields[1, :live_rows], row_fields[2, :live_rows] = \
+            self.row_target, self.row_seq, self.row_pos
+        row_fields[:2, live_rows:], row_fields[2, live_rows:] = 0, PAD_POSITION
+        at = 3 * rows
+        for field, fill, size in ((self.wants_tokens, 0, b), (self.draft_offset, self.draft_offset[-1], b + 1)):
+            out[at:at + len(field)], out[at + len(field):at + size] = field, fill
+            at += size
+        table = out[at:at + b * k].reshape(b, k)  # [B, K] drafts
+        table[:live_b, :live_k], table[:live_b, live_k:], table[live_b:] = drafts, PLACEHOLDER_TOKEN_ID, \
+            PLACEHOLDER_TOKEN_ID
+        at += b * k
+        for field, fill in ((num_drafts, 0), (self.render_k, -1)):
+            out[at:at + live_b], out[at + live_b:at + b] = field, fill
+            at += b
+        out[at:] = verdict_at, live_b
+        return out
 
 
 @dataclass(frozen=True)
@@ -171,7 +205,7 @@ class RowLogprobs:
 class GatheredLogprobs:
     """The gather's outputs, views of one int64 buffer: the int64 arrays first, then the float32
     ones two to an element. Token slots past cu_batch_token_offset[B] hold PLACEHOLDER_TOKEN_ID and
-    zeros. Each view is made when first read: a step reads a few, and each costs the host microseconds."""
+    zeros, draft slots past the layout's draft_offset[B] zeros. Each view is made when first read: a step reads a few, and each costs the host microseconds."""
 
     FIELDS = ("runs", "cu_batch_token_offset", "token_ids", "token_top_ids", "draft_top_ids",
               "token_lps", "token_top_lps", "draft_lps", "draft_top_lps")  # in buffer order
@@ -227,9 +261,11 @@ def _shapes(num_seqs: int, rows: int, slots: int, k: int) -> tuple[list[tuple[in
 
 def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LayoutArrays, runs: np.ndarray,
                   out: GatheredLogprobs) -> None:
-    """The twin of accept_gather_logprobs, writing into `out`."""
-    num_accepted, emitted = runs
-    out.runs[:] = runs
+    """The twin of accept_gather_logprobs, writing into `out`; runs [2, B'] (B' <= B: requests past
+    B' ask nothing and accept no drafts)."""
+    out.runs[0], out.runs[1] = 0, PLACEHOLDER_TOKEN_ID
+    out.runs[:, :runs.shape[1]] = runs
+    num_accepted, emitted = out.runs
     emitting = layout.wants_tokens.astype(bool) * (num_accepted + 1)  # [B]
     out.cu_batch_token_offset[0] = 0
     out.cu_batch_token_offset[1:] = np.cumsum(emitting)
@@ -237,10 +273,12 @@ def _gather_numpy(logits: np.ndarray, rows: RowLogprobs, layout: LayoutArrays, r
     out.token_ids[total:] = PLACEHOLDER_TOKEN_ID
     for unused in (out.token_top_ids, out.token_lps, out.token_top_lps):
         unused[total:] = 0
+    for unused in (out.draft_lps, out.draft_top_ids, out.draft_top_lps):
+        unused[layout.draft_offset[-1]:] = 0
     seq, pos = layout.row_seq, layout.row_pos  # [L]
     accepted = num_accepted[seq]  # [L]
     padded = np.concatenate([layout.drafts, np.zeros((len(layout.drafts), 1), np.int64)], axis=1)  # [B, K+1]
-    row_draft = padded[seq, pos]  # [L] the draft the row scores (0 on the last row)
+    row_draft = padded[seq, np.minimum(pos, padded.shape[1] - 1)]  # [L] the draft the row scores (0 on the last row)
 
     def logprob(r: np.ndarray, token: np.ndarray) -> np.ndarray:
         x = logits[layout.row_target[r], token]

@@ -3,8 +3,9 @@
 On the GPU the log-softmax of the candidate rows runs on a second CUDA stream while the main
 stream verifies; the fused accept-and-gather kernel joins them (cupyspec/spec/accept_gather.py).
 Without a side stream (the CPU, or overlap turned off) the same work runs in sequence, and so does
-a step of one request over the forward graphs' logits, replayed as a CUDA graph
-(cupyspec/logprob_graphs.py).
+a step over the forward graphs' logits, whose logprob work is replayed as a CUDA graph
+(cupyspec/logprob_graphs.py): there the graph's one launch costs the host less than the overlap's
+calls would.
 `launch_verify` queues all of it and the transfers, without waiting: first the verdict's, which
 the engine needs to form the next step, then the logprobs', which it needs only to deliver this
 one. `PendingVerdict.result` waits.
@@ -49,6 +50,10 @@ class LogprobRequests:
     @functools.cached_property
     def any(self) -> bool:
         return any(k is not None for k in self.top_logprobs) or any(self.include_drafts)
+
+    @functools.cached_property
+    def max_top_logprobs(self) -> int:
+        return max((k or 0) for k in self.top_logprobs)
 
     @functools.cached_property
     def renders(self) -> bool:
@@ -135,17 +140,16 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 
     side: the CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     renderer: renders the entries of the requests `wanted.rendered` names.
-    graphs: the logprob work of small steps as CUDA graphs, in sequence (cupyspec/logprob_graphs.py).
+    graphs: the logprob work of steps over their static logits as CUDA graphs, in sequence
+    (cupyspec/logprob_graphs.py).
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
-    num_drafts = inp.num_drafts.tobytes()
-    layout, wants_records, wants_drafts, rendered = _layout(wanted, num_drafts)
-    k = max((k or 0) for k in wanted.top_logprobs)
+    layout, wants_records, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
+    k = wanted.max_top_logprobs
     renderer = renderer if any(rendered) else None
-    graph = graphs.find_verifying(logits, (wanted, num_drafts), layout, inp.draft_token_ids, k, renderer) \
-        if graphs else None
+    graph = graphs.find_verifying(logits, layout, inp.draft_token_ids, k, renderer) if graphs else None
     slot = graph.free_slot() if graph is not None else None
     overlap = side is not None and slot is None
     if overlap:  # the log-softmax starts once the logits are there, beside verification
@@ -153,7 +157,8 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
     verdict = HostTransfer(xp, [runs])
     if slot is not None:
-        on_device, logprobs = graph.on_device, graph.launch(slot, inp.draft_token_ids, inp.num_drafts, runs)
+        on_device = graph.on_device
+        logprobs = graph.launch(slot, layout, inp.draft_token_ids, inp.num_drafts, runs)
     else:
         main_stream = xp.cuda.get_current_stream() if overlap else None
         with side.stream if overlap else contextlib.nullcontext():
@@ -166,7 +171,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     def records(host_arrays: list[np.ndarray]) -> StepLogprobs:
         host = gathered_on_host(host_arrays[0], on_device, k)
         return StepLogprobs(_token_logprobs(host, wants_records, wanted.top_logprobs),
-                            _rendered_entries(renderer, host, layout, k, rendered,
+                            _rendered_entries(renderer, host, on_device.num_rows, layout.render_k, k, rendered,
                                               rendered_on_host(host_arrays[0], on_device, k)),
                             _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
 
@@ -241,16 +246,16 @@ def _token_logprobs(host: GatheredLogprobs, wants: Wants,
     return tuple(out)
 
 
-def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, layout: LogprobLayout, k: int,
-                      rendered: Wants, entries: np.ndarray) -> tuple[LogprobsJSON | None, ...]:
+def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, num_rows: int, render_k: np.ndarray,
+                      k: int, rendered: Wants, entries: np.ndarray) -> tuple[LogprobsJSON | None, ...]:
     """Per request [B], its rendered token entries (None where not asked); entries: the host copy
-    of the render (LogprobRenderer.render's output)."""
+    of the render (LogprobRenderer.render's output) of num_rows rows, render_k [B] as LogprobLayout's."""
     if not any(rendered):
         return (None,) * len(rendered)
     cu = host.cu_batch_token_offset.tolist()
 
     bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered)]
-    return tuple(renderer.entries(entries, layout.num_rows, bounds, lambda: emitted_rows(host, layout.render_k, k)))
+    return tuple(renderer.entries(entries, num_rows, bounds, lambda: emitted_rows(host, render_k, k)))
 
 
 def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: Wants,
