@@ -4,10 +4,12 @@
 //   peak[r] = max_t x[t], log_total[r] = log sum_t exp(x[t] - peak) (f64 sum),
 //   the k largest entries, largest first, ties broken by the lower index, and their logprobs
 //   f32(f64(x[t] - peak) - log_total); when chosen_ids is given, the logprob of chosen_ids[r] too.
-// Top-k: each thread keeps a sorted list of its CAP best (CAP >= k, a compile-time size, so that
-// the list stays in registers: indexed at run time it went to local memory, and 384 rows took 314
-// µs at k = 5 and 1.5 ms at k = 20 against 95 at k = 1) over a strided slice of the row, then k
-// rounds of a block-wide arg-max over the threads' list heads pick the winners in order.
+// Top-k: a first pass finds each thread's best over a strided slice of the row; the k-th best of
+// those bounds the row's k best from below. A second pass, which sums the exponentials, has each
+// thread keep a sorted list of its CAP best entries among those at least as good as the bound (CAP
+// >= k, a compile-time size, so that the list stays in registers: indexed at run time it went to
+// local memory, and 384 rows took 314 µs at k = 5 and 1.5 ms at k = 20 against 95 at k = 1), then
+// k rounds of a block-wide arg-max over the threads' list heads pick the winners in order.
 // A row is one block's work however few rows there are (a single row at batch 1), so the scans
 // keep UNROLL independent loads in flight per thread: with one load at a time, the latency of
 // global memory made one row cost hundreds of microseconds.
@@ -75,10 +77,7 @@ __device__ __forceinline__ void logsoftmax_topk(
     const float* x = logits + (rows != nullptr ? rows[r] : r) * vocab;
     const Best empty{NEG_INF, 0x7fffffff};
 
-    // ---- this thread's CAP best, and its maximum ----
-    Best list[CAP];
-#pragma unroll
-    for (int c = 0; c < CAP; ++c) list[c] = empty;
+    // ---- pass 1: this thread's best; the row's peak, and the k-th best of the threads' bests ----
     Best top = empty;
     for (long long base = threadIdx.x; base < vocab; base += UNROLL * THREADS) {
         float v[UNROLL];
@@ -93,22 +92,23 @@ __device__ __forceinline__ void logsoftmax_topk(
             if (t >= vocab) break;
             const Best candidate{v[u], (int)t};
             if (better(candidate, top)) top = candidate;
-            if (k > 0 && better(candidate, list[CAP - 1])) {  // replace the last, then bubble it up
-                list[CAP - 1] = candidate;
-#pragma unroll
-                for (int c = CAP - 1; c > 0; --c) {
-                    if (better(list[c], list[c - 1])) {
-                        const Best swap = list[c];
-                        list[c] = list[c - 1];
-                        list[c - 1] = swap;
-                    }
-                }
-            }
         }
     }
-    const float row_peak = block_best(top, best_scratch).value;
+    // k distinct entries are at least as good as the k-th best of the threads' bests, so each of the
+    // row's k best is too: pass 2 lists only those (a handful), not every entry that beats a
+    // thread's own CAP-th best (at 48 entries a thread, some 22 insertions of CAP steps each).
+    Best left = top, bound = empty;  // this thread's best until a round picks it
+    float row_peak = NEG_INF;
+    for (int c = 0; c < max(k, 1); ++c) {
+        bound = block_best(left, best_scratch);
+        if (c == 0) row_peak = bound.value;
+        if (left.index == bound.index) left = empty;
+    }
 
-    // ---- log sum exp ----
+    // ---- pass 2: log sum exp, and this thread's CAP best of the entries at least as good as the bound ----
+    Best list[CAP];
+#pragma unroll
+    for (int c = 0; c < CAP; ++c) list[c] = empty;
     double sum = 0.0;
     for (long long base = threadIdx.x; base < vocab; base += UNROLL * THREADS) {
         float v[UNROLL];
@@ -119,6 +119,22 @@ __device__ __forceinline__ void logsoftmax_topk(
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) sum += (double)expf(v[u] - row_peak);
+        if (k == 0) continue;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long t = base + u * THREADS;
+            const Best candidate{v[u], (int)t};
+            if (t >= vocab || better(bound, candidate) || !better(candidate, list[CAP - 1])) continue;
+            list[CAP - 1] = candidate;  // replace the last, then bubble it up
+#pragma unroll
+            for (int c = CAP - 1; c > 0; --c) {
+                if (better(list[c], list[c - 1])) {
+                    const Best swap = list[c];
+                    list[c] = list[c - 1];
+                    list[c - 1] = swap;
+                }
+            }
+        }
     }
     const double row_log_total = log(block_sum(sum, sum_scratch));
     if (threadIdx.x == 0) {
