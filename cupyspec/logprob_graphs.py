@@ -7,11 +7,12 @@ step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_g
 the work of one step shape is captured once, with the copy of its results into pinned memory of
 its own:
 
-- a verifying step's (shape: its sizes, `LayoutShape`, padded, and the top logprobs) writes its
-  layout, with the address of its verdict, into pinned memory of the graph's and launches the
-  graph, which uploads it first and runs after verification on the step's stream (verification is
-  not in it, so a side stream would have nothing to overlap). Rows past the step's score nothing,
-  requests past its own ask nothing, so that a few shapes serve every step;
+- a verifying step's (shape: its layout's sizes, `LayoutShape`, padded, and the top logprobs)
+  writes its requests' fields, with the address of its verdict, into pinned memory of the graph's
+  and launches the graph, which uploads them, expands them into the layout
+  (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream
+  (verification is not in it, so a side stream would have nothing to overlap). Rows past the
+  step's score nothing, requests past its own ask nothing, so that a few shapes serve every step;
 - a one-request plain step's (shape: the logprobs asked) copies its sampled token into a static
   buffer and launches the graph, which brings the token with its logprobs.
 
@@ -32,8 +33,8 @@ import numpy as np
 
 from cupyspec.sampling.logprob_json import LogprobRenderer
 from cupyspec.sampling.logprobs import KERNEL_MAX_K, launch_top_logprobs
-from cupyspec.spec.accept_gather import (LayoutShape, LogprobLayout, RowLogprobs, UploadedLayout, gather_size,
-                                         launch_gather)
+from cupyspec.spec.accept_gather import RowLogprobs, gather_size, launch_gather
+from cupyspec.spec.logprob_layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
 from cupyspec.transfer import HostTransfer, to_device
 
 PLAIN_GRAPH_MAX_SEQS = 1  # plain steps of up to this many requests replay graphs
@@ -103,8 +104,9 @@ class LentGraphs:
 
 
 class VerifyingStepGraph(LentGraphs):
-    """A verifying step shape's static buffers and its graphs: the layout's upload, top-k, gather (and
-    render). The gather reads the verdict where the layout's tail says (`LogprobLayout.packed`)."""
+    """A verifying step shape's static buffers and its graphs: the upload of the requests' fields,
+    their expansion into the layout, top-k, gather (and render). The gather reads the verdict where
+    the layout's tail says (`RequestWants.packed`)."""
 
     def __init__(self, xp: Any, logits: Any, shape: LayoutShape, k: int, renderer: LogprobRenderer | None) -> None:
         """logits [R, V] f32: the static logits; shape: the padded sizes of the steps it serves."""
@@ -116,6 +118,7 @@ class VerifyingStepGraph(LentGraphs):
         gathered = workspace[shape.packed_size + rows_size:]
 
         def work() -> None:
+            expand_on_device(xp, self.on_device)
             rows = RowLogprobs.compute(xp, logits, self.on_device.row_target, k,
                                        workspace.data.ptr + 8 * shape.packed_size)
             launch_gather(xp, logits, rows, self.on_device, None, gathered.data.ptr, renderer)
@@ -124,13 +127,13 @@ class VerifyingStepGraph(LentGraphs):
         self._shape = shape
         self._verdicts: list[Any] = [None, None]  # each graph's verdict, kept until the graph is launched again
 
-    def launch(self, slot: int, layout: LogprobLayout, drafts: np.ndarray, num_drafts: np.ndarray,
+    def launch(self, slot: int, wants: RequestWants, drafts: np.ndarray, num_drafts: np.ndarray,
                runs: Any) -> HostTransfer:
-        """Queue graph `slot` on the current stream for a step's layout, drafts [B, K], num_drafts [B]
-        and verdict runs [2, B] int64 (on the device); the host copy of its GatheredLogprobs buffer
-        (of the graph's shape, `on_device`)."""
+        """Queue graph `slot` on the current stream for a step whose requests ask `wants`, with drafts
+        [B, K], num_drafts [B] and verdict runs [2, B] int64 (on the device); the host copy of its
+        GatheredLogprobs buffer (of the graph's shape, `on_device`)."""
         runs = self._verdicts[slot] = self._xp.ascontiguousarray(runs, dtype=self._xp.int64)
-        layout.packed(self._shape, drafts, num_drafts, runs.data.ptr, out=self.staged(slot))
+        wants.packed(self._shape, drafts, num_drafts, runs.data.ptr, out=self.staged(slot))
         return self._replay(slot)
 
 
@@ -197,13 +200,13 @@ class LogprobGraphs:
         self._xp, self._logits, self._base = xp, static_logits, static_logits.data.ptr
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
-    def find_verifying(self, logits: Any, layout: LogprobLayout, drafts: np.ndarray, k: int,
+    def find_verifying(self, logits: Any, step: LayoutShape, k: int,
                        renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
-        """The graph of verifying steps like the one of `layout` and drafts [B, K] over logits [R, V]
-        f32 (their sizes padded, `padded`), made on first use; None when the step is not one to replay."""
+        """The graph of verifying steps of layouts like `step`'s (their sizes padded, `padded`) over
+        logits [R, V] f32, made on first use; None when the step is not one to replay."""
         if k > KERNEL_MAX_K or logits.data.ptr != self._base:
             return None
-        shape = LayoutShape(*map(padded, layout.shape(drafts)))
+        shape = LayoutShape(*map(padded, step))
         return self._cached(("verifying", shape, k, renderer is not None),
                             lambda: VerifyingStepGraph(self._xp, self._logits, shape, k, renderer))
 

@@ -10,8 +10,8 @@ import pytest
 from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.spec.accept_gather import (GatheredLogprobs, LayoutShape, LogprobLayout, RowLogprobs, UploadedLayout,
-                                         accept_and_gather, gathered_on_host)
+from cupyspec.spec.accept_gather import GatheredLogprobs, RowLogprobs, accept_and_gather, gathered_on_host
+from cupyspec.spec.logprob_layout import LayoutShape, LogprobLayout, RequestWants, UploadedLayout
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
 from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, launch_verify, verify_with_logprobs
 from cupyspec.token_text import TokenText
@@ -40,7 +40,7 @@ def random_case(rng: np.random.Generator, batch: int, max_drafts: int, vocab: in
     wants_tokens, wants_drafts = rng.random(batch) < 0.6, rng.random(batch) < 0.5
     wants_tokens[0] = wants_drafts[0] = True
     return dict(num_drafts=num_drafts, drafts=drafts, first_row=first_row, logits=logits, k=k,
-                layout=LogprobLayout.build(first_row, num_drafts, wants_tokens, wants_drafts),
+                layout=LogprobLayout.build(first_row, num_drafts, RequestWants.of(wants_tokens, wants_drafts)),
                 num_accepted=rng.integers(0, num_drafts + 1), emitted=rng.integers(0, vocab, batch),
                 wants_tokens=wants_tokens, wants_drafts=wants_drafts)
 

@@ -10,7 +10,7 @@ from cupyspec.sampling.logprobs import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, _layout, launch_verify
+from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, _wants, launch_verify
 from cupyspec.token_text import TokenText
 
 VOCAB, MAX_DRAFTS = 5000, 5
@@ -131,15 +131,15 @@ def test_steps_padded_alike_share_a_graph_and_only_static_logits_replay(device) 
     found = []
     # the requests asking something have 16 and 15 rows: padded, 8 requests, 16 rows, 4 drafts, 8 draft slots twice
     for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9):
-        _, inp, wanted = many_request_step(rng, np.array(num_drafts))
-        layout = _layout(wanted, inp.num_drafts.tobytes())[0]
-        found.append(graphs.find_verifying(static[:layout.num_rows], layout, inp.draft_token_ids, 5, renderer))
+        logits, inp, wanted = many_request_step(rng, np.array(num_drafts))
+        step = _wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts)
+        found.append(graphs.find_verifying(static[:len(logits)], step, 5, renderer))
     assert found[0] is found[1] and found[0].on_device.num_seqs == 8 and found[0].on_device.num_rows == 16
     assert found[2] is not found[0] and found[2].on_device.num_seqs == 16
     logits, inp, wanted = many_request_step(rng, np.array([2, 1]))
-    layout = _layout(wanted, inp.num_drafts.tobytes())[0]
-    assert graphs.find_verifying(cupy.asarray(logits), layout, inp.draft_token_ids, 5, renderer) is None
-    assert graphs.find_verifying(static[:len(logits)], layout, inp.draft_token_ids, 21, None) is None
+    step = _wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts)
+    assert graphs.find_verifying(cupy.asarray(logits), step, 5, renderer) is None
+    assert graphs.find_verifying(static[:len(logits)], step, 21, None) is None
 
 
 def eager_plain_step(cupy, logits, tokens, k: int, renderer: LogprobRenderer | None) -> list[np.ndarray]:  # noqa: ANN001

@@ -4,8 +4,8 @@ The log-softmax of every candidate row (the normalizers and the top-k, `RowLogpr
 depend on which drafts are accepted, so it runs beside verification. Once the verdict is in, one
 kernel computes `cu_batch_token_offset`, each request's offset into the compact list of emitted
 tokens, and gathers the logprob and top-k of every emitted token and of every proposed draft.
-Only requests that asked for logprobs or draft logprobs have rows here (`LogprobLayout`). The
-host uploads the layout and the drafts in one copy and brings every result, the verdict included,
+Only requests that asked for logprobs or draft logprobs have rows here (cupyspec/spec/logprob_layout.py).
+The host uploads the layout and the drafts in one copy and brings every result, the verdict included,
 back in one.
 """
 
@@ -15,7 +15,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -23,144 +23,11 @@ from cupyspec.kernels import load_kernel
 from cupyspec.sampling.logprob_json import LogprobRenderer
 from cupyspec.sampling.logprobs import (KERNEL_MAX_K, NULL_POINTER, DeviceRows, launch_top_logprobs,
                                         top_logprobs_on_device)
+from cupyspec.spec.logprob_layout import LayoutArrays, UploadedLayout
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
-from cupyspec.transfer import to_device
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
 RENDERED_FIELDS = ("token_ids", "token_lps", "token_top_ids", "token_top_lps")  # GatheredLogprobs' rows to render
-
-
-class LayoutArrays(NamedTuple):
-    """A `LogprobLayout` with the drafts, as arrays of one library (views of `UploadedLayout.packed`)."""
-
-    row_target: Any  # [L]
-    row_seq: Any  # [L]
-    row_pos: Any  # [L]
-    wants_tokens: Any  # [B]
-    draft_offset: Any  # [B+1]
-    drafts: Any  # [B, K]
-    num_drafts: Any  # [B]
-
-
-PAD_POSITION = 1 << 62  # row_pos of a padding row: past every request's drafts, so it scores nothing
-
-
-class LayoutShape(NamedTuple):
-    """The sizes of an uploaded layout: B requests, L rows, K drafts a request at most, D draft slots.
-    A CUDA graph's are padded: rows past a step's score nothing, requests past its ask nothing."""
-
-    num_seqs: int  # B
-    num_rows: int  # L
-    max_drafts: int  # K
-    num_draft_slots: int  # D
-
-    @property
-    def packed_size(self) -> int:
-        """int64 elements of UploadedLayout.packed."""
-        b, rows, k, _ = self
-        return 3 * rows + 2 * b + 1 + b * k + b + b + 2
-
-
-@dataclass(frozen=True)
-class UploadedLayout:
-    """A `LogprobLayout` and the drafts on the device: LayoutArrays' fields, flat and in order, in
-    one int64 array, which the kernel takes whole (each view CuPy makes costs the host microseconds)."""
-
-    packed: Any  # [LayoutShape.packed_size] int64: LayoutArrays' fields, render_k [B], the verdict's address and B
-    num_seqs: int  # B
-    num_rows: int  # L
-    max_drafts: int  # K
-    num_draft_slots: int  # D
-
-    @property
-    def row_target(self) -> Any:  # [L]: it comes first
-        return self.packed[:self.num_rows] if isinstance(self.packed, np.ndarray) else \
-            DeviceRows(self.packed.data.ptr, self.num_rows)
-
-    @property
-    def render_k(self) -> Any:  # [B]: before the verdict's address and B; on a GPU its device address
-        at = len(self.packed) - self.num_seqs - 2
-        return self.packed[at:at + self.num_seqs] if isinstance(self.packed, np.ndarray) else \
-            self.packed.data.ptr + 8 * at
-
-    def arrays(self) -> LayoutArrays:
-        sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
-        bounds = np.cumsum([0] + sizes).tolist()
-        views = [self.packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-        views[5] = views[5].reshape(self.num_seqs, self.max_drafts)
-        return LayoutArrays(*views)
-
-
-@dataclass(frozen=True)
-class LogprobLayout:
-    """Which target rows get logprobs, and where their results go (host arrays)."""
-
-    row_target: np.ndarray  # [L] int64: row of the [R, V] target logits
-    row_seq: np.ndarray  # [L] int64: request b of the row
-    row_pos: np.ndarray  # [L] int64: the row's position j among b's rows (row j scores draft j)
-    wants_tokens: np.ndarray  # [B] int64: 1 when b asked for logprobs of its emitted tokens
-    draft_offset: np.ndarray  # [B+1] int64: b's drafts take slots draft_offset[b]:draft_offset[b+1]
-    render_k: np.ndarray  # [B] int64: top logprobs of b's rendered entries (logprob_json.py); -1: none
-
-    @classmethod
-    def build(cls, first_row: np.ndarray, num_drafts: np.ndarray, wants_tokens: np.ndarray,
-              wants_drafts: np.ndarray, render_k: np.ndarray | None = None) -> LogprobLayout:
-        """first_row [B+1] bounds of each request's target rows; num_drafts [B]; the wants [B] bool;
-        render_k [B] (default: no request's entries are rendered)."""
-        with_rows = np.flatnonzero(wants_tokens | wants_drafts)  # [B'] requests that get rows
-        sizes = num_drafts[with_rows] + 1  # [B']
-        ends = np.cumsum(sizes)  # [B']
-        row_seq = np.repeat(with_rows, sizes).astype(np.int64, copy=False)  # [L]
-        row_pos = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64) - np.repeat(ends - sizes, sizes)  # [L]
-        draft_offset = np.zeros(len(num_drafts) + 1, np.int64)  # [B+1]
-        np.cumsum(num_drafts * wants_drafts, out=draft_offset[1:])
-        return cls(row_target=first_row[row_seq] + row_pos, row_seq=row_seq, row_pos=row_pos,
-                   wants_tokens=wants_tokens.astype(np.int64), draft_offset=draft_offset,
-                   render_k=np.full(len(num_drafts), -1, np.int64) if render_k is None else render_k.astype(np.int64))
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_target)
-
-    @property
-    def num_draft_slots(self) -> int:
-        return int(self.draft_offset[-1])
-
-    def shape(self, drafts: np.ndarray) -> LayoutShape:
-        """The layout's sizes with drafts [B, K]."""
-        return LayoutShape(len(drafts), self.num_rows, drafts.shape[1], self.num_draft_slots)
-
-    def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
-        """The layout, drafts [B, K], num_drafts [B] and render_k [B] on the device, in one copy."""
-        shape = self.shape(drafts)
-        return UploadedLayout(to_device(xp, self.packed(shape, drafts, num_drafts)), *shape)
-
-    def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
-               out: np.ndarray | None = None) -> np.ndarray:
-        """UploadedLayout.packed's host array (into `out` if given) for a shape at least the layout's
-        (`shape(drafts)`), with drafts [B, K], num_drafts [B] and the device address of the verdict
-        runs [2, B], which the gather then reads instead of its argument (0: none). Rows past the
-        layout's score nothing; requests past its B ask nothing (and have no verdict)."""
-        b, rows, k, _ = shape
-        live_b, live_rows, live_k = len(drafts), self.num_rows, drafts.shape[1]
-        out = np.empty(shape.packed_size, np.int64) if out is None else out
-        row_fields = out[:3 * rows].reshape(3, rows)  # row_target, row_seq, row_pos
-        row_fields[0, :live_rows], row_fields[1, :live_rows], row_fields[2, :live_rows] = \
-            self.row_target, self.row_seq, self.row_pos
-        row_fields[:2, live_rows:], row_fields[2, live_rows:] = 0, PAD_POSITION
-        at = 3 * rows
-        for field, fill, size in ((self.wants_tokens, 0, b), (self.draft_offset, self.draft_offset[-1], b + 1)):
-            out[at:at + len(field)], out[at + len(field):at + size] = field, fill
-            at += size
-        table = out[at:at + b * k].reshape(b, k)  # [B, K] drafts
-        table[:live_b, :live_k], table[:live_b, live_k:], table[live_b:] = drafts, PLACEHOLDER_TOKEN_ID, \
-            PLACEHOLDER_TOKEN_ID
-        at += b * k
-        for field, fill in ((num_drafts, 0), (self.render_k, -1)):
-            out[at:at + live_b], out[at + live_b:at + b] = field, fill
-            at += b
-        out[at:] = verdict_at, live_b
-        return out
 
 
 @dataclass(frozen=True)
@@ -327,7 +194,7 @@ def launch_gather(xp: Any, logits: Any, rows: RowLogprobs, layout: UploadedLayou
                   renderer: LogprobRenderer | None = None) -> None:
     """accept_and_gather on a GPU into gather_size(layout, k, renderer) int64 at the device address
     `buffer`, on the current stream: one kernel, and one more for the entries. runs None: the
-    verdict's address is in the layout (`LogprobLayout.packed`)."""
+    verdict's address is in the layout (`RequestWants.packed`)."""
     if not layout.num_seqs:
         return
     k = rows.k

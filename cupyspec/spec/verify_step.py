@@ -14,7 +14,6 @@ one. `PendingVerdict.result` waits.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +25,9 @@ import numpy as np
 from cupyspec.logprob_graphs import LogprobGraphs
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
-from cupyspec.spec.accept_gather import (GatheredLogprobs, LogprobLayout, RowLogprobs, accept_and_gather,
-                                         emitted_rows, gathered_on_host, rendered_on_host)
+from cupyspec.spec.accept_gather import (GatheredLogprobs, RowLogprobs, accept_and_gather, emitted_rows,
+                                         gathered_on_host, rendered_on_host)
+from cupyspec.spec.logprob_layout import LogprobLayout, RequestWants
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
@@ -146,10 +146,11 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
         return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
-    layout, wants_records, wants_drafts, rendered = _layout(wanted, inp.num_drafts.tobytes())
+    wants = _wants(wanted)
     k = wanted.max_top_logprobs
-    renderer = renderer if any(rendered) else None
-    graph = graphs.find_verifying(logits, layout, inp.draft_token_ids, k, renderer) if graphs else None
+    renderer = renderer if any(wants.rendered) else None
+    graph = graphs.find_verifying(logits, wants.fields.shape(inp.draft_token_ids, inp.num_drafts), k, renderer) \
+        if graphs else None
     slot = graph.free_slot() if graph is not None else None
     overlap = side is not None and slot is None
     if overlap:  # the log-softmax starts once the logits are there, beside verification
@@ -158,9 +159,10 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     verdict = HostTransfer(xp, [runs])
     if slot is not None:
         on_device = graph.on_device
-        logprobs = graph.launch(slot, layout, inp.draft_token_ids, inp.num_drafts, runs)
+        logprobs = graph.launch(slot, wants.fields, inp.draft_token_ids, inp.num_drafts, runs)
     else:
         main_stream = xp.cuda.get_current_stream() if overlap else None
+        layout = _layout(wanted, inp.num_drafts.tobytes())
         with side.stream if overlap else contextlib.nullcontext():
             on_device = layout.upload(xp, inp.draft_token_ids, inp.num_drafts)
             rows = RowLogprobs.compute(xp, logits, on_device.row_target, k)
@@ -170,42 +172,47 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
 
     def records(host_arrays: list[np.ndarray]) -> StepLogprobs:
         host = gathered_on_host(host_arrays[0], on_device, k)
-        return StepLogprobs(_token_logprobs(host, wants_records, wanted.top_logprobs),
-                            _rendered_entries(renderer, host, on_device.num_rows, layout.render_k, k, rendered,
-                                              rendered_on_host(host_arrays[0], on_device, k)),
-                            _draft_logprobs(host, layout, inp, wants_drafts, wanted.top_logprobs))
+        return StepLogprobs(_token_logprobs(host, wants.records, wanted.top_logprobs),
+                            _rendered_entries(renderer, host, on_device.num_rows, wants.fields.render_k, k,
+                                              wants.rendered, rendered_on_host(host_arrays[0], on_device, k)),
+                            _draft_logprobs(host, wants.fields.drafts, inp, wants.drafts, wanted.top_logprobs))
 
     return PendingVerdict(len(inp.num_drafts), verdict, logprobs, records)
 
 
-@functools.lru_cache(maxsize=LAYOUTS_CACHED)
-def _layout(wanted: LogprobRequests, num_drafts: bytes) -> tuple[LogprobLayout, Wants, Wants, Wants]:
-    """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
-    drafts each, with the wants [B] of token records, of draft records and of rendered token
-    entries; read-only. Made once per such step: at one sequence most steps repeat the step before,
-    and building it took some 80 µs of NumPy calls on the H100's host (the launch of a verifying
-    step is on the host's critical path)."""
-    counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
-    wants_tokens, wants_drafts, wants = _wants(wanted)
-    first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
-    layout = LogprobLayout.build(first_row, counts, wants_tokens, wants_drafts, wanted.render_k)
-    for f in dataclasses.fields(layout):
-        getattr(layout, f.name).flags.writeable = False
-    return layout, *wants
+class StepWants(NamedTuple):
+    """What the requests of a step ask: the layout's request fields, and per request [B] whether it
+    gets token records, draft records and rendered token entries."""
+
+    fields: RequestWants
+    records: Wants
+    drafts: Wants
+    rendered: Wants
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
-def _wants(wanted: LogprobRequests) -> tuple[np.ndarray, np.ndarray, tuple[Wants, Wants, Wants]]:
-    """What the requests of `wanted` ask: token logprobs [B] and draft logprobs [B] (bool arrays), and
-    the wants of token records, of draft records and of rendered entries. Requests change less
-    often than the drafts: at 64 requests `_layout` misses its cache every step, this does not."""
-    wants_tokens = np.array([k is not None for k in wanted.top_logprobs])
-    wants_drafts = np.array(wanted.include_drafts)
+def _wants(wanted: LogprobRequests) -> StepWants:
+    """What the requests of `wanted` ask. Requests change less often than the drafts: at 64 requests
+    `_layout` misses its cache every step, this does not."""
+    tokens = np.array([k is not None for k in wanted.top_logprobs])
+    drafts = np.array(wanted.include_drafts)
     rendered = wanted.render_k >= 0
-    for wants in (wants_tokens, wants_drafts):
-        wants.flags.writeable = False
-    return wants_tokens, wants_drafts, tuple(tuple(w.tolist()) for w in (wants_tokens & ~rendered, wants_drafts,
-                                                                          rendered))
+    return StepWants(RequestWants.of(tokens, drafts, wanted.render_k),
+                     *(tuple(w.tolist()) for w in (tokens & ~rendered, drafts, rendered)))
+
+
+@functools.lru_cache(maxsize=LAYOUTS_CACHED)
+def _layout(wanted: LogprobRequests, num_drafts: bytes) -> LogprobLayout:
+    """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
+    drafts each; read-only. Made once per such step: at one sequence most steps repeat the step
+    before, and building it took some 80 µs of NumPy calls on the H100's host (the launch of a
+    verifying step is on the host's critical path)."""
+    counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
+    first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
+    layout = LogprobLayout.build(first_row, counts, _wants(wanted).fields)
+    for array in (layout.row_target, layout.row_seq, layout.row_pos, layout.draft_offset):
+        array.flags.writeable = False
+    return layout
 
 
 def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
@@ -258,12 +265,14 @@ def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, 
     return tuple(renderer.entries(entries, num_rows, bounds, lambda: emitted_rows(host, render_k, k)))
 
 
-def _draft_logprobs(host: GatheredLogprobs, layout: LogprobLayout, inp: VerifyInput, wants: Wants,
+def _draft_logprobs(host: GatheredLogprobs, wants_fields: np.ndarray, inp: VerifyInput, wants: Wants,
                     top_k: tuple[int | None, ...]) -> tuple[tuple[DraftLogprob, ...] | None, ...]:
-    """Per request [B], its proposed drafts' logprobs and verdicts (None where not asked)."""
+    """Per request [B], its proposed drafts' logprobs and verdicts (None where not asked); wants_fields
+    [B] int64: RequestWants.drafts."""
     if not any(wants):
         return (None,) * len(wants)
-    offsets, num_drafts, num_accepted = layout.draft_offset.tolist(), inp.num_drafts.tolist(), host.runs[0].tolist()
+    num_drafts, num_accepted = inp.num_drafts.tolist(), host.runs[0].tolist()
+    offsets = [0, *np.cumsum(inp.num_drafts * wants_fields).tolist()]  # LogprobLayout.draft_offset
     lps, top_ids, top_lps = host.draft_lps.tolist(), host.draft_top_ids.tolist(), host.draft_top_lps.tolist()
     out: list[tuple[DraftLogprob, ...] | None] = []
     for b, want in enumerate(wants):

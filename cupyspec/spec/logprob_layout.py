@@ -1,0 +1,194 @@
+"""Which target rows of a verifying step get logprobs, and where their results go: the layout.
+
+Only requests that asked for logprobs or draft logprobs have rows: request b's rows j = 0..num_drafts[b],
+row j scoring draft j (the last one the bonus or correction token). On the device the layout and
+the drafts travel as one int64 array, `UploadedLayout.packed`:
+
+    row_target [L] | row_seq [L] | row_pos [L] | wants_tokens [B] | draft_offset [B+1] | drafts [B, K] |
+    num_drafts [B] | render_k [B] | wants_drafts [B] | the verdict's device address | the verdict's B
+
+A CUDA graph's layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past a
+step's score nothing (row_pos PAD_POSITION), requests past its own ask nothing. The host then writes
+only the requests' fields (`RequestWants.packed`), and cuda/logprob_layout.cu expands them into the
+rows and draft offsets on the device (`expand_on_device`; its twin: `LogprobLayout.build`): at 64
+requests building the rows took the H100's host some 55 µs a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cupyspec.kernels import load_kernel
+from cupyspec.sampling.logprobs import DeviceRows
+from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
+from cupyspec.transfer import to_device
+
+PAD_POSITION = 1 << 62  # row_pos of a padding row: past every request's drafts, so it scores nothing
+EXPAND_THREADS = 256  # one block; cuda/logprob_layout.cu scans with at most 1024
+
+
+class LayoutShape(NamedTuple):
+    """The sizes of an uploaded layout: B requests, L rows, K drafts a request at most, D draft slots."""
+
+    num_seqs: int  # B
+    num_rows: int  # L
+    max_drafts: int  # K
+    num_draft_slots: int  # D
+
+    @property
+    def packed_size(self) -> int:
+        """int64 elements of UploadedLayout.packed."""
+        b, rows, k, _ = self
+        return 3 * rows + 2 * b + 1 + b * k + 3 * b + 2
+
+
+class LayoutArrays(NamedTuple):
+    """A layout with the drafts, as arrays of one library (views of `UploadedLayout.packed`)."""
+
+    row_target: Any  # [L]
+    row_seq: Any  # [L]
+    row_pos: Any  # [L]
+    wants_tokens: Any  # [B]
+    draft_offset: Any  # [B+1]
+    drafts: Any  # [B, K]
+    num_drafts: Any  # [B]
+
+
+@dataclass(frozen=True)
+class UploadedLayout:
+    """A layout and the drafts on the device (or, NumPy, on the host): `packed` of `shape`, which the
+    kernels take whole (each view CuPy makes costs the host microseconds)."""
+
+    packed: Any  # [LayoutShape.packed_size] int64
+    num_seqs: int  # B
+    num_rows: int  # L
+    max_drafts: int  # K
+    num_draft_slots: int  # D
+
+    @property
+    def row_target(self) -> Any:  # [L]: it comes first
+        return self.packed[:self.num_rows] if isinstance(self.packed, np.ndarray) else \
+            DeviceRows(self.packed.data.ptr, self.num_rows)
+
+    @property
+    def render_k(self) -> Any:  # [B]: before wants_drafts and the verdict's; on a GPU its device address
+        at = len(self.packed) - 2 * self.num_seqs - 2
+        return self.packed[at:at + self.num_seqs] if isinstance(self.packed, np.ndarray) else \
+            self.packed.data.ptr + 8 * at
+
+    def arrays(self) -> LayoutArrays:
+        sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
+        bounds = np.cumsum([0] + sizes).tolist()
+        views = [self.packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        views[5] = views[5].reshape(self.num_seqs, self.max_drafts)
+        return LayoutArrays(*views)
+
+
+@dataclass(frozen=True)
+class RequestWants:
+    """What each request of a step asks, as the layout's request fields: int64 [B] arrays (read-only)."""
+
+    tokens: np.ndarray  # 1: logprobs of its emitted tokens
+    drafts: np.ndarray  # 1: logprobs of its drafts
+    render_k: np.ndarray  # top logprobs of its rendered entries (logprob_json.py); -1: none
+    asks: np.ndarray  # 1: either, so it has rows
+    num_asking: int
+
+    @classmethod
+    def of(cls, tokens: np.ndarray, drafts: np.ndarray, render_k: np.ndarray | None = None) -> RequestWants:
+        """From the wants [B] bool; render_k [B] (default: no request's entries are rendered)."""
+        asks = (tokens | drafts).astype(np.int64)
+        fields = [tokens.astype(np.int64), drafts.astype(np.int64),
+                  np.full(len(tokens), -1, np.int64) if render_k is None else render_k.astype(np.int64), asks]
+        for field in fields:
+            field.flags.writeable = False
+        return cls(*fields, int(asks.sum()))
+
+    def shape(self, drafts: np.ndarray, num_drafts: np.ndarray) -> LayoutShape:
+        """The sizes of the layout of a step with drafts [B, K] and num_drafts [B] int64."""
+        return LayoutShape(len(drafts), int(num_drafts @ self.asks) + self.num_asking, drafts.shape[1],
+                           int(num_drafts @ self.drafts))
+
+    def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """UploadedLayout.packed's host array (into `out` if given) for a shape at least the step's,
+        with the requests' fields written: their wants, drafts [B, K], num_drafts [B] and the device
+        address of the verdict runs [2, B], which the gather then reads instead of its argument (0:
+        none). Requests past B ask nothing and have no verdict. The rows and draft offsets are left
+        as they are, for `expand_on_device` or `LogprobLayout.packed`."""
+        b, rows, k, _ = shape
+        live_b, live_k = len(drafts), drafts.shape[1]
+        out = np.empty(shape.packed_size, np.int64) if out is None else out
+        at = 3 * rows
+        out[at:at + live_b], out[at + live_b:at + b] = self.tokens, 0
+        at += 2 * b + 1  # past draft_offset
+        table = out[at:at + b * k].reshape(b, k)  # [B, K] drafts
+        table[:live_b, :live_k], table[:live_b, live_k:], table[live_b:] = drafts, PLACEHOLDER_TOKEN_ID, \
+            PLACEHOLDER_TOKEN_ID
+        at += b * k
+        for field, fill in ((num_drafts, 0), (self.render_k, -1), (self.drafts, 0)):
+            out[at:at + live_b], out[at + live_b:at + b] = field, fill
+            at += b
+        out[at:] = verdict_at, live_b
+        return out
+
+
+@dataclass(frozen=True)
+class LogprobLayout:
+    """The rows of a step's layout and its draft offsets (host arrays), with its requests' wants."""
+
+    row_target: np.ndarray  # [L] int64: row of the [R, V] target logits
+    row_seq: np.ndarray  # [L] int64: request b of the row
+    row_pos: np.ndarray  # [L] int64: the row's position j among b's rows (row j scores draft j)
+    draft_offset: np.ndarray  # [B+1] int64: b's drafts take slots draft_offset[b]:draft_offset[b+1]
+    wants: RequestWants
+
+    @classmethod
+    def build(cls, first_row: np.ndarray, num_drafts: np.ndarray, wants: RequestWants) -> LogprobLayout:
+        """first_row [B+1] bounds of each request's target rows; num_drafts [B] int64."""
+        with_rows = np.flatnonzero(wants.asks)  # [B'] requests that get rows
+        sizes = num_drafts[with_rows] + 1  # [B']
+        ends = np.cumsum(sizes)  # [B']
+        row_seq = np.repeat(with_rows, sizes).astype(np.int64, copy=False)  # [L]
+        row_pos = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64) - np.repeat(ends - sizes, sizes)  # [L]
+        draft_offset = np.zeros(len(num_drafts) + 1, np.int64)  # [B+1]
+        np.cumsum(num_drafts * wants.drafts, out=draft_offset[1:])
+        return cls(first_row[row_seq] + row_pos, row_seq, row_pos, draft_offset, wants)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_target)
+
+    def shape(self, drafts: np.ndarray) -> LayoutShape:
+        """The layout's sizes with drafts [B, K]."""
+        return LayoutShape(len(drafts), self.num_rows, drafts.shape[1], int(self.draft_offset[-1]))
+
+    def upload(self, xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> UploadedLayout:
+        """The layout, drafts [B, K] and num_drafts [B] on the device, in one copy."""
+        shape = self.shape(drafts)
+        return UploadedLayout(to_device(xp, self.packed(shape, drafts, num_drafts)), *shape)
+
+    def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """RequestWants.packed with the rows and draft offsets written too: what `expand_on_device`
+        makes of that on the device. Rows past the layout's score nothing."""
+        out = self.wants.packed(shape, drafts, num_drafts, verdict_at, out)
+        b, rows, _, _ = shape
+        live_rows, live_b = self.num_rows, len(drafts)
+        row_fields = out[:3 * rows].reshape(3, rows)  # row_target, row_seq, row_pos
+        row_fields[0, :live_rows], row_fields[1, :live_rows], row_fields[2, :live_rows] = \
+            self.row_target, self.row_seq, self.row_pos
+        row_fields[:2, live_rows:], row_fields[2, live_rows:] = 0, PAD_POSITION
+        at = 3 * rows + b
+        out[at:at + live_b + 1], out[at + live_b + 1:at + b + 1] = self.draft_offset, self.draft_offset[-1]
+        return out
+
+
+def expand_on_device(xp: Any, layout: UploadedLayout) -> None:
+    """Write the rows and draft offsets of a layout whose request fields are on the device
+    (RequestWants.packed's), on the current stream: one kernel, cuda/logprob_layout.cu."""
+    load_kernel("logprob_layout", "expand_logprob_layout")((1,), (EXPAND_THREADS,), (
+        layout.packed, np.int32(layout.num_seqs), np.int32(layout.num_rows), np.int32(layout.max_drafts)))
