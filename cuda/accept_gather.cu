@@ -29,8 +29,8 @@ extern "C" __global__ void accept_gather_logprobs(
     long long* __restrict__ out)                                // GatheredLogprobs' buffer (accept_gather.py)
 {
     // ---- inputs: row_target [L], row_seq [L], row_pos [L], wants_tokens [B], draft_offset [B+1],
-    // drafts [B, K], num_drafts [B] (then render_k [B], for cuda/logprob_json.cu, wants_drafts [B], the
-    // verdict's address and its B' <= B). A CUDA graph's layout is padded: its rows past the step's
+    // drafts [B, K], num_drafts [B] (then render_k [B], for cuda/logprob_json.cu, wants_drafts [B] and
+    // first_row [B], for cuda/logprob_layout.cu, the verdict's address and its B' <= B). A CUDA graph's layout is padded: its rows past the step's
     // have a row_pos past every draft, its requests past B' ask nothing and have no verdict.
     const long long* row_target = layout;
     const long long* row_seq = row_target + num_rows;
@@ -39,7 +39,7 @@ extern "C" __global__ void accept_gather_logprobs(
     const long long* draft_offset = wants_tokens + num_seqs;
     const long long* drafts = draft_offset + num_seqs + 1;
     const long long* num_drafts = drafts + (long long)num_seqs * max_drafts;
-    const long long* tail = num_drafts + 3 * num_seqs;
+    const long long* tail = num_drafts + 4 * num_seqs;
     const long long* verdict = runs != nullptr ? runs : (const long long*)tail[0];
     const long long live = runs != nullptr ? num_seqs : tail[1];  // B'
     auto num_accepted = [&](long long b) { return b < live ? verdict[b] : 0LL; };

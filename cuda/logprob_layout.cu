@@ -1,12 +1,13 @@
 // A verifying step's logprob layout expanded from its requests' fields, on the device; twin:
 // LogprobLayout.build and .packed in cupyspec/spec/logprob_layout.py.
 //
-// The host has written each request's wants, drafts and num_drafts into the packed layout of a CUDA
-// graph's shape (B requests and L rows, at least the step's). One block of threads
-//   1. computes three exclusive prefix sums over the requests: the first target row of each
-//      (num_drafts + 1 rows each), the first layout row of each that asked for something, and its
-//      first draft slot (draft_offset [B+1], over the requests that asked for draft logprobs), then
-//   2. writes each asking request's rows j = 0..num_drafts[b]: row_target = its first target row + j,
+// The host has written each request's wants, drafts, num_drafts and first_row (the logits row of its
+// first draft) into the packed layout of a CUDA graph's shape (B requests and L rows, at least the
+// step's). One block of threads
+//   1. computes two exclusive prefix sums over the requests: the first layout row of each that asked
+//      for something (num_drafts + 1 rows each), and its first draft slot (draft_offset [B+1], over
+//      the requests that asked for draft logprobs), then
+//   2. writes each asking request's rows j = 0..num_drafts[b]: row_target = first_row[b] + j,
 //      row_seq = b, row_pos = j; rows past theirs get row_pos PAD_POSITION, which scores nothing.
 
 #include "block_scan.cuh"
@@ -25,6 +26,7 @@ extern "C" __global__ void expand_logprob_layout(long long* __restrict__ layout,
     long long* draft_offset = row_pos + num_rows + num_seqs;                              // [B+1]
     const long long* num_drafts = draft_offset + num_seqs + 1 + (long long)num_seqs * max_drafts;
     const long long* wants_drafts = num_drafts + 2 * num_seqs;                            // past render_k
+    const long long* first_row = wants_drafts + num_seqs;
 
     __shared__ long long partial[MAX_THREADS];
     const int t = threadIdx.x, threads = blockDim.x;
@@ -32,14 +34,11 @@ extern "C" __global__ void expand_logprob_layout(long long* __restrict__ layout,
     // ---- 1. the prefix sums, each thread over a chunk of requests ----
     const int chunk = (num_seqs + threads - 1) / threads;
     const int lo = min(t * chunk, num_seqs), hi = min(lo + chunk, num_seqs);
-    long long targets = 0, rows = 0, slots = 0;
+    long long rows = 0, slots = 0;
     for (int b = lo; b < hi; ++b) {
-        targets += num_drafts[b] + 1;
         rows += (wants_tokens[b] || wants_drafts[b]) ? num_drafts[b] + 1 : 0;
         slots += wants_drafts[b] ? num_drafts[b] : 0;
     }
-    long long target = block_inclusive_scan(partial, targets) - targets;
-    __syncthreads();
     long long row = block_inclusive_scan(partial, rows) - rows;
     const long long used_rows = partial[threads - 1];
     __syncthreads();
@@ -53,13 +52,12 @@ extern "C" __global__ void expand_logprob_layout(long long* __restrict__ layout,
         slot += wants_drafts[b] ? n : 0;
         if (wants_tokens[b] || wants_drafts[b]) {
             for (long long j = 0; j <= n; ++j) {
-                row_target[row + j] = target + j;
+                row_target[row + j] = first_row[b] + j;
                 row_seq[row + j] = b;
                 row_pos[row + j] = j;
             }
             row += n + 1;
         }
-        target += n + 1;
     }
     for (long long r = used_rows + t; r < num_rows; r += threads) {  // padding rows
         row_target[r] = 0;

@@ -24,6 +24,7 @@ copy to the host is queued before it.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from cupyspec.sampling.logprobs import KERNEL_MAX_K, launch_top_logprobs
 from cupyspec.spec.accept_gather import RowLogprobs, gather_size, launch_gather
 from cupyspec.spec.logprob_layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
 from cupyspec.transfer import HostTransfer, to_device
+
+log = logging.getLogger("cupyspec")
 
 PLAIN_GRAPH_MAX_SEQS = 1  # plain steps of up to this many requests replay graphs
 GRAPHS_CACHED = 64  # step shapes captured at most (further shapes run eagerly)
@@ -126,14 +129,20 @@ class VerifyingStepGraph(LentGraphs):
         super().__init__(xp, work, gathered, lambda host: [host], self.on_device.packed)
         self._shape = shape
         self._verdicts: list[Any] = [None, None]  # each graph's verdict, kept until the graph is launched again
+        self._wants: list[RequestWants | None] = [None, None]  # the wants in each graph's staged inputs
 
     def launch(self, slot: int, wants: RequestWants, drafts: np.ndarray, num_drafts: np.ndarray,
-               runs: Any) -> HostTransfer:
+               first_row: np.ndarray, runs: Any) -> HostTransfer:
         """Queue graph `slot` on the current stream for a step whose requests ask `wants`, with drafts
-        [B, K], num_drafts [B] and verdict runs [2, B] int64 (on the device); the host copy of its
-        GatheredLogprobs buffer (of the graph's shape, `on_device`)."""
+        [B, K], num_drafts [B], the static logits' row of each one's first draft first_row [B] and
+        verdict runs [2, B] int64 (on the device); the host copy of its GatheredLogprobs buffer (of
+        the graph's shape, `on_device`)."""
         runs = self._verdicts[slot] = self._xp.ascontiguousarray(runs, dtype=self._xp.int64)
-        wants.packed(self._shape, drafts, num_drafts, runs.data.ptr, out=self.staged(slot))
+        staged = self.staged(slot)
+        if self._wants[slot] is not wants:  # else this graph's last step had the same requests: their wants are there
+            wants.pack_wants(self._shape, staged)
+            self._wants[slot] = wants
+        RequestWants.pack_step(self._shape, drafts, num_drafts, first_row, runs.data.ptr, staged)
         return self._replay(slot)
 
 
@@ -200,11 +209,10 @@ class LogprobGraphs:
         self._xp, self._logits, self._base = xp, static_logits, static_logits.data.ptr
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
-    def find_verifying(self, logits: Any, step: LayoutShape, k: int,
-                       renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
+    def find_verifying(self, step: LayoutShape, k: int, renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
         """The graph of verifying steps of layouts like `step`'s (their sizes padded, `padded`) over
-        logits [R, V] f32, made on first use; None when the step is not one to replay."""
-        if k > KERNEL_MAX_K or logits.data.ptr != self._base:
+        the static logits, made on first use; None when the step is not one to replay."""
+        if k > KERNEL_MAX_K:
             return None
         shape = LayoutShape(*map(padded, step))
         return self._cached(("verifying", shape, k, renderer is not None),
@@ -225,4 +233,7 @@ class LogprobGraphs:
         graph = self._graphs.get(key)
         if graph is None and len(self._graphs) < GRAPHS_CACHED:
             graph = self._graphs[key] = make()
+            log.debug("logprob graphs for steps of shape %s", key)
+            if len(self._graphs) == GRAPHS_CACHED:
+                log.info("logprob graphs of %d step shapes captured: steps of other shapes run eagerly", GRAPHS_CACHED)
         return graph

@@ -53,6 +53,7 @@ class StepInputs(NamedTuple):
     sampling: tuple[SamplingRow, ...]  # [R]
     accept_uniforms: np.ndarray  # [R] float64: draws of the draft acceptance tests (0 for greedy rows)
     owners: tuple[int, ...]  # [S]: scheduled index of each sampling sequence
+    first_rows: np.ndarray  # [S] int64: batch row of each sampling sequence's first target row
     drafts: np.ndarray  # [S, K] int64, PLACEHOLDER_TOKEN_ID past each sequence's drafts
     num_drafts: np.ndarray  # [S] int64
     logprobs: LogprobRequests  # [S]: logprobs and draft logprobs asked by each sampling sequence
@@ -109,6 +110,7 @@ class _TargetRows:
         self.rows: list[int] = []  # batch rows
         self.sampling: list[SamplingRow] = []
         self.owners: list[int] = []  # scheduled index of each sampling sequence
+        self.first_rows: list[int] = []  # batch row of its first target row
         self.drafts: list[list[int]] = []  # its drafts
         self.params: list[SamplingParams] = []  # its parameters
         self._drawn, self._keys, self._positions = [], [], []  # rows that draw at random: index, key, position
@@ -117,6 +119,7 @@ class _TargetRows:
         """`seq`, scheduled at `index`, samples from batch rows first_row .. first_row + len(drafts)."""
         count = len(drafts) + 1
         self.owners.append(index)
+        self.first_rows.append(first_row)
         self.drafts.append(drafts)
         self.params.append(seq.params)
         self.rows.extend(range(first_row, first_row + count))
@@ -219,6 +222,7 @@ class ModelRunner:
             sampling=tuple(targets.sampling),
             accept_uniforms=accept_uniforms,
             owners=tuple(targets.owners),
+            first_rows=np.array(targets.first_rows, dtype=np.int64),
             drafts=_drafts_array(targets.drafts),
             num_drafts=np.array([len(d) for d in targets.drafts], dtype=np.int64),
             logprobs=LogprobRequests(tuple(p.logprobs for p in targets.params),
@@ -234,14 +238,15 @@ class ModelRunner:
         the host; on a GPU nothing waits for the device. Safe on the step thread."""
         xp = self.backend.xp
         with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
-            target_logits, prompt_logits = self._logits(inputs)
+            target_logits, prompt_logits, static = self._logits(inputs)
             arrays, verdict = [], None
             if target_logits is not None and inputs.num_drafts.any():
                 verdict = launch_verify(
                     xp, target_logits,
                     VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
                     inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
-                    self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs)
+                    self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs,
+                    inputs.first_rows if static else None)
             elif target_logits is not None:
                 tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
                 self.sampled_tokens[:len(inputs.owners)] = tokens
@@ -304,8 +309,9 @@ class ModelRunner:
                                        out.prompt_logprobs, rendered[s])
         return outputs
 
-    def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None]:
-        """Logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows (None: no rows).
+    def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None, bool]:
+        """Logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows (None: no rows),
+        and whether every row's logits are in the graphs' static buffer too (a row per batch row).
 
         Through a CUDA graph when one holds the batch (logits of every row come out); else eagerly,
         with the LM head applied to the rows that need it only.
@@ -320,7 +326,9 @@ class ModelRunner:
                 return self.model.compute_logits(hidden[to_device(xp, rows)])
             return every_row if len(rows) == len(every_row) else every_row[to_device(xp, rows)]
 
-        return tuple(rows_logits(rows) if len(rows) else None for rows in (inputs.target_rows, inputs.prompt_rows))
+        target_logits, prompt_logits = (rows_logits(rows) if len(rows) else None
+                                        for rows in (inputs.target_rows, inputs.prompt_rows))
+        return target_logits, prompt_logits, every_row is not None
 
 
 def _verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqStepOutput]:

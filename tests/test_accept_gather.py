@@ -40,7 +40,7 @@ def random_case(rng: np.random.Generator, batch: int, max_drafts: int, vocab: in
     wants_tokens, wants_drafts = rng.random(batch) < 0.6, rng.random(batch) < 0.5
     wants_tokens[0] = wants_drafts[0] = True
     return dict(num_drafts=num_drafts, drafts=drafts, first_row=first_row, logits=logits, k=k,
-                layout=LogprobLayout.build(first_row, num_drafts, RequestWants.of(wants_tokens, wants_drafts)),
+                layout=LogprobLayout.build(first_row[:-1], num_drafts, RequestWants.of(wants_tokens, wants_drafts)),
                 num_accepted=rng.integers(0, num_drafts + 1), emitted=rng.integers(0, vocab, batch),
                 wants_tokens=wants_tokens, wants_drafts=wants_drafts)
 

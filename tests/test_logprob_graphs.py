@@ -63,7 +63,8 @@ def test_replayed_steps_equal_eager_ones(device) -> None:  # noqa: ANN001
         static[:num_drafts + 1] = cupy.asarray(logits)  # new logits in the static buffer
         for wanted in (RENDERED, RECORDS):
             view = static[:num_drafts + 1]
-            got = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer, graphs).result()
+            got = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer, graphs,
+                                np.array([0])).result()
             want = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer).result()
             assert_same(got, want)
             accepted += got.num_accepted[0]
@@ -79,7 +80,8 @@ def test_a_graph_whose_results_are_unread_is_not_launched_again(device) -> None:
         logits, inp = one_request_step(rng, 4)
         static[:5] = cupy.asarray(logits)
         wants.append(launch_verify(cupy, static[:5], inp, RENDERED, "rejection", "normal", None, renderer).result())
-        pending.append(launch_verify(cupy, static[:5], inp, RENDERED, "rejection", "normal", None, renderer, graphs))
+        pending.append(launch_verify(cupy, static[:5], inp, RENDERED, "rejection", "normal", None, renderer, graphs,
+                                     np.array([0])))
     for got, want in zip(pending, wants):  # a third launch into a graph still lent would have overwritten one
         assert_same(got.result(), want)
 
@@ -105,6 +107,11 @@ def many_request_step(rng: np.random.Generator, num_drafts: np.ndarray) -> tuple
     return logits, VerifyInput(drafts, num_drafts, None, rows, np.zeros(len(logits))), wanted
 
 
+def first_rows(inp: VerifyInput) -> np.ndarray:
+    """[B] each request's first row in logits that hold the requests' rows in turn."""
+    return np.cumsum(inp.num_drafts + 1) - (inp.num_drafts + 1)
+
+
 @pytest.mark.gpu
 def test_replayed_steps_of_many_requests_equal_eager_ones(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
@@ -116,7 +123,8 @@ def test_replayed_steps_of_many_requests_equal_eager_ones(device) -> None:  # no
         logits, inp, wanted = many_request_step(rng, num_drafts)
         static[:len(logits)] = cupy.asarray(logits)
         view = static[:len(logits)]
-        got = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer, graphs).result()
+        got = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer, graphs,
+                            first_rows(inp)).result()
         want = launch_verify(cupy, view, inp, wanted, "rejection", "normal", None, renderer).result()
         assert_same(got, want)
         assert any(got.logprobs.rendered) and any(got.logprobs.tokens) and any(got.logprobs.drafts)
@@ -125,21 +133,42 @@ def test_replayed_steps_of_many_requests_equal_eager_ones(device) -> None:  # no
 
 
 @pytest.mark.gpu
-def test_steps_padded_alike_share_a_graph_and_only_static_logits_replay(device) -> None:  # noqa: ANN001
+def test_steps_padded_alike_share_a_graph(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
     rng = np.random.default_rng(6)
     found = []
     # the requests asking something have 16 and 15 rows: padded, 8 requests, 16 rows, 4 drafts, 8 draft slots twice
     for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9):
-        logits, inp, wanted = many_request_step(rng, np.array(num_drafts))
-        step = _wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts)
-        found.append(graphs.find_verifying(static[:len(logits)], step, 5, renderer))
+        _, inp, wanted = many_request_step(rng, np.array(num_drafts))
+        found.append(graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 5,
+                                           renderer))
     assert found[0] is found[1] and found[0].on_device.num_seqs == 8 and found[0].on_device.num_rows == 16
     assert found[2] is not found[0] and found[2].on_device.num_seqs == 16
-    logits, inp, wanted = many_request_step(rng, np.array([2, 1]))
-    step = _wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts)
-    assert graphs.find_verifying(cupy.asarray(logits), step, 5, renderer) is None
-    assert graphs.find_verifying(static[:len(logits)], step, 21, None) is None
+    _, inp, wanted = many_request_step(rng, np.array([2, 1]))
+    assert graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 21, None) is None
+
+
+@pytest.mark.gpu
+def test_a_step_whose_logits_are_a_gather_of_the_static_rows_replays_them(device) -> None:  # noqa: ANN001
+    """In a step that also runs prompts, the target rows are some of the static rows."""
+    cupy, static, graphs, renderer = device
+    rng = np.random.default_rng(7)
+    for batch in (6, 6, 9):
+        num_drafts = rng.integers(1, MAX_DRAFTS + 1, batch)
+        logits, inp, wanted = many_request_step(rng, num_drafts)
+        gaps = rng.integers(0, 3, batch)  # prompt rows before each request's rows
+        static_rows = np.cumsum(gaps + num_drafts + 1) - (num_drafts + 1)  # [B] each request's first row
+        target_rows = np.concatenate([np.arange(n + 1) + first for first, n in zip(static_rows, num_drafts)])
+        static[:] = cupy.asarray(rng.standard_normal((len(static), VOCAB)).astype(np.float32))
+        static[cupy.asarray(target_rows)] = cupy.asarray(logits)
+        gathered = static[cupy.asarray(target_rows)]
+        got = launch_verify(cupy, gathered, inp, wanted, "rejection", "normal", None, renderer, graphs,
+                            static_rows).result()
+        want = launch_verify(cupy, gathered, inp, wanted, "rejection", "normal", None, renderer).result()
+        assert_same(got, want)
+        assert any(got.logprobs.rendered) and any(got.logprobs.tokens)
+    assert graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 5,
+                                 renderer).free_slot() is not None  # replayed, and read
 
 
 def eager_plain_step(cupy, logits, tokens, k: int, renderer: LogprobRenderer | None) -> list[np.ndarray]:  # noqa: ANN001

@@ -20,20 +20,21 @@ def random_step(rng: np.random.Generator, batch: int, max_drafts: int) -> tuple[
     return drafts, num_drafts, RequestWants.of(tokens, wanted_drafts, render_k)
 
 
-def layout_of(num_drafts: np.ndarray, wants: RequestWants) -> LogprobLayout:
-    return LogprobLayout.build(np.concatenate([[0], np.cumsum(num_drafts + 1)]), num_drafts, wants)
+def layout_of(num_drafts: np.ndarray, wants: RequestWants, gap: int = 2) -> LogprobLayout:
+    """The layout of a step whose logits have `gap` rows (a prompt's, say) before each request's rows."""
+    return LogprobLayout.build(np.cumsum(num_drafts + 1 + gap) - (num_drafts + 1), num_drafts, wants)
 
 
 @pytest.mark.parametrize("batch,max_drafts", [(1, 3), (9, 5), (70, 8)])
 def test_rows_are_those_of_the_requests_that_ask(batch: int, max_drafts: int) -> None:
     drafts, num_drafts, wants = random_step(np.random.default_rng(batch), batch, max_drafts)
     layout = layout_of(num_drafts, wants)
-    rows, slots, first_row = [], [0], 0
+    rows, slots, first_row = [], [0], 2
     for b, n in enumerate(num_drafts):
         if wants.asks[b]:
             rows += [(first_row + j, b, j) for j in range(n + 1)]
         slots.append(slots[-1] + (n if wants.drafts[b] else 0))
-        first_row += n + 1
+        first_row += n + 1 + 2
     assert list(zip(layout.row_target.tolist(), layout.row_seq.tolist(), layout.row_pos.tolist())) == rows
     assert layout.draft_offset.tolist() == slots
     assert wants.shape(drafts, num_drafts) == layout.shape(drafts) == (batch, len(rows), drafts.shape[1], slots[-1])
@@ -56,7 +57,8 @@ def test_padding_asks_nothing() -> None:
     assert np.all(arrays.drafts[live:] == PLACEHOLDER_TOKEN_ID) and np.all(arrays.drafts[:, -1] == PLACEHOLDER_TOKEN_ID)
     np.testing.assert_array_equal(arrays.num_drafts, [*num_drafts, 0, 0])
     np.testing.assert_array_equal(uploaded.render_k, [*wants.render_k, -1, -1])
-    np.testing.assert_array_equal(packed[-shape.num_seqs - 2:], [*wants.drafts, 0, 0, 1234, live])
+    np.testing.assert_array_equal(packed[-2 * shape.num_seqs - 2:], [*wants.drafts, 0, 0, *layout.first_row, 0, 0,
+                                                                     1234, live])
     assert len(packed) == shape.packed_size
 
 
@@ -73,6 +75,7 @@ def test_the_device_expands_the_requests_fields_as_the_host_does(batch: int, max
     layout = layout_of(num_drafts, wants)
     shape = LayoutShape(*(size + more for size, more in zip(layout.shape(drafts), extra)))
     staged = np.full(shape.packed_size, -7, np.int64)  # what the rows and offsets held before
-    on_device = UploadedLayout(cupy.asarray(wants.packed(shape, drafts, num_drafts, 99, out=staged)), *shape)
+    staged = wants.packed(shape, drafts, num_drafts, layout.first_row, 99, out=staged)
+    on_device = UploadedLayout(cupy.asarray(staged), *shape)
     expand_on_device(cupy, on_device)
     np.testing.assert_array_equal(on_device.packed.get(), layout.packed(shape, drafts, num_drafts, 99))

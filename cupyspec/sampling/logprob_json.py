@@ -80,7 +80,7 @@ class LogprobsJSON:
     per request and step, so it is cheap to make: not frozen (a frozen one's __init__ costs three
     times as much), and its entries' ends kept as the render counted them, from `start`."""
 
-    data: bytes
+    data: bytes | memoryview  # (a view of the bytes of a step's entries: slicing them per request copied them)
     ends: Sequence[int]  # token i's entry (with its comma) ends at data[ends[i] - start]
     start: int = 0
 
@@ -158,16 +158,17 @@ class LogprobRenderer:
     def entries(self, rendered: np.ndarray, num_rows: int, bounds: list[tuple[int, int] | None],
                 rows: Callable[[], tuple[Any, ...]]) -> list[LogprobsJSON | None]:
         """Each request's entries from the host copy of a render of num_rows rows: bounds[b] = its
-        rows (lo, hi), or None for none. Entries that outgrew the device's capacity are rendered
+        rows (lo, hi), ascending with b, or None for none. Entries that outgrew the device's capacity are rendered
         again here, from rows() = render's arguments from token_ids on, on the host."""
-        last = max((hi for lo, hi in filter(None, bounds)), default=0)
+        last = next((rows[1] for rows in reversed(bounds) if rows is not None), 0)  # rows ascend
         if last and rendered[last - 1] > 8 * (len(rendered) - num_rows):
             rendered = self.render(np, *rows())
         row_ends = rendered[:last].tolist()
-        return _split(rendered[num_rows:].view(np.uint8)[:row_ends[-1] if last else 0].tobytes(), row_ends, bounds)
+        data = memoryview(rendered[num_rows:].view(np.uint8)[:row_ends[-1] if last else 0].tobytes())
+        return _split(data, row_ends, bounds)
 
 
-def _split(data: bytes, row_ends: list[int], bounds: list[tuple[int, int] | None]) -> list[LogprobsJSON | None]:
+def _split(data: memoryview, row_ends: list[int], bounds: list[tuple[int, int] | None]) -> list[LogprobsJSON | None]:
     """data cut at row_ends into each request's entries (bounds as in LogprobRenderer.entries)."""
     result: list[LogprobsJSON | None] = []
     for rows in bounds:

@@ -72,7 +72,8 @@ class RowLogprobs:
 class GatheredLogprobs:
     """The gather's outputs, views of one int64 buffer: the int64 arrays first, then the float32
     ones two to an element. Token slots past cu_batch_token_offset[B] hold PLACEHOLDER_TOKEN_ID and
-    zeros, draft slots past the layout's draft_offset[B] zeros. Each view is made when first read: a step reads a few, and each costs the host microseconds."""
+    zeros, draft slots past the layout's draft_offset[B] zeros. Each view is made when first read: a
+    step reads a few, and each costs the host microseconds."""
 
     FIELDS = ("runs", "cu_batch_token_offset", "token_ids", "token_top_ids", "draft_top_ids",
               "token_lps", "token_top_lps", "draft_lps", "draft_top_lps")  # in buffer order

@@ -5,17 +5,21 @@ row j scoring draft j (the last one the bonus or correction token). On the devic
 the drafts travel as one int64 array, `UploadedLayout.packed`:
 
     row_target [L] | row_seq [L] | row_pos [L] | wants_tokens [B] | draft_offset [B+1] | drafts [B, K] |
-    num_drafts [B] | render_k [B] | wants_drafts [B] | the verdict's device address | the verdict's B
+    num_drafts [B] | render_k [B] | wants_drafts [B] | first_row [B] | the verdict's device address |
+    the verdict's B
 
-A CUDA graph's layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past a
-step's score nothing (row_pos PAD_POSITION), requests past its own ask nothing. The host then writes
-only the requests' fields (`RequestWants.packed`), and cuda/logprob_layout.cu expands them into the
-rows and draft offsets on the device (`expand_on_device`; its twin: `LogprobLayout.build`): at 64
+where first_row[b] is the row of the logits that scores request b's first draft. A CUDA graph's
+layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past a step's score
+nothing (row_pos PAD_POSITION), requests past its own ask nothing. The host then writes only the
+requests' fields (`RequestWants.packed`), and cuda/logprob_layout.cu expands them into the rows
+and draft offsets on the device (`expand_on_device`; its twin: `LogprobLayout.build`): at 64
 requests building the rows took the H100's host some 55 µs a step.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,7 +46,7 @@ class LayoutShape(NamedTuple):
     def packed_size(self) -> int:
         """int64 elements of UploadedLayout.packed."""
         b, rows, k, _ = self
-        return 3 * rows + 2 * b + 1 + b * k + 3 * b + 2
+        return 3 * rows + 2 * b + 1 + b * k + 4 * b + 2
 
 
 class LayoutArrays(NamedTuple):
@@ -74,8 +78,8 @@ class UploadedLayout:
             DeviceRows(self.packed.data.ptr, self.num_rows)
 
     @property
-    def render_k(self) -> Any:  # [B]: before wants_drafts and the verdict's; on a GPU its device address
-        at = len(self.packed) - 2 * self.num_seqs - 2
+    def render_k(self) -> Any:  # [B]: before wants_drafts, first_row and the verdict's; on a GPU its address
+        at = len(self.packed) - 3 * self.num_seqs - 2
         return self.packed[at:at + self.num_seqs] if isinstance(self.packed, np.ndarray) else \
             self.packed.data.ptr + 8 * at
 
@@ -112,28 +116,59 @@ class RequestWants:
         return LayoutShape(len(drafts), int(num_drafts @ self.asks) + self.num_asking, drafts.shape[1],
                            int(num_drafts @ self.drafts))
 
-    def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, verdict_at: int = 0,
-               out: np.ndarray | None = None) -> np.ndarray:
+    def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, first_row: np.ndarray,
+               verdict_at: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """UploadedLayout.packed's host array (into `out` if given) for a shape at least the step's,
-        with the requests' fields written: their wants, drafts [B, K], num_drafts [B] and the device
-        address of the verdict runs [2, B], which the gather then reads instead of its argument (0:
-        none). Requests past B ask nothing and have no verdict. The rows and draft offsets are left
-        as they are, for `expand_on_device` or `LogprobLayout.packed`."""
-        b, rows, k, _ = shape
-        live_b, live_k = len(drafts), drafts.shape[1]
+        with the requests' fields written (`pack_wants`, `pack_step`). The rows and draft offsets
+        are left as they are, for `expand_on_device` or `LogprobLayout.packed`."""
         out = np.empty(shape.packed_size, np.int64) if out is None else out
-        at = 3 * rows
-        out[at:at + live_b], out[at + live_b:at + b] = self.tokens, 0
-        at += 2 * b + 1  # past draft_offset
-        table = out[at:at + b * k].reshape(b, k)  # [B, K] drafts
+        self.pack_wants(shape, out)
+        return self.pack_step(shape, drafts, num_drafts, first_row, verdict_at, out)
+
+    def pack_wants(self, shape: LayoutShape, out: np.ndarray) -> None:
+        """The wants into UploadedLayout.packed's host array `out` of a shape at least the step's:
+        requests past B ask nothing."""
+        b, live_b, fields = shape.num_seqs, len(self.tokens), _request_fields(shape)
+        for field, at, fill in ((self.tokens, fields.wants_tokens, 0), (self.render_k, fields.render_k, -1),
+                                (self.drafts, fields.wants_drafts, 0)):
+            out[at:at + live_b], out[at + live_b:at + b] = field, fill
+
+    @staticmethod
+    def pack_step(shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, first_row: np.ndarray,
+                  verdict_at: int, out: np.ndarray) -> np.ndarray:
+        """A step's fields into UploadedLayout.packed's host array `out` of a shape at least the
+        step's: drafts [B, K], num_drafts [B], first_row [B] and the device address of the verdict
+        runs [2, B], which the gather then reads instead of its argument (0: none). Requests past B
+        have no drafts and no verdict."""
+        b, k = shape.num_seqs, shape.max_drafts
+        live_b, live_k, fields = len(drafts), drafts.shape[1], _request_fields(shape)
+        table = out[fields.drafts:fields.drafts + b * k].reshape(b, k)  # [B, K]
         table[:live_b, :live_k], table[:live_b, live_k:], table[live_b:] = drafts, PLACEHOLDER_TOKEN_ID, \
             PLACEHOLDER_TOKEN_ID
-        at += b * k
-        for field, fill in ((num_drafts, 0), (self.render_k, -1), (self.drafts, 0)):
-            out[at:at + live_b], out[at + live_b:at + b] = field, fill
-            at += b
-        out[at:] = verdict_at, live_b
+        for field, at in ((num_drafts, fields.num_drafts), (first_row, fields.first_row)):
+            out[at:at + live_b], out[at + live_b:at + b] = field, 0
+        out[-2:] = verdict_at, live_b
         return out
+
+
+class _RequestFields(NamedTuple):
+    """Where each request field starts in UploadedLayout.packed."""
+
+    wants_tokens: int
+    draft_offset: int
+    drafts: int
+    num_drafts: int
+    render_k: int
+    wants_drafts: int
+    first_row: int
+
+
+@functools.lru_cache(maxsize=256)
+def _request_fields(shape: LayoutShape) -> _RequestFields:
+    """The request fields' places in layouts of `shape` (worked out once per shape)."""
+    b, rows, k, _ = shape
+    starts = itertools.accumulate((3 * rows, b, b + 1, b * k, b, b, b))
+    return _RequestFields(*starts)
 
 
 @dataclass(frozen=True)
@@ -144,11 +179,13 @@ class LogprobLayout:
     row_seq: np.ndarray  # [L] int64: request b of the row
     row_pos: np.ndarray  # [L] int64: the row's position j among b's rows (row j scores draft j)
     draft_offset: np.ndarray  # [B+1] int64: b's drafts take slots draft_offset[b]:draft_offset[b+1]
+    first_row: np.ndarray  # [B] int64: the row of b's first draft
     wants: RequestWants
 
     @classmethod
     def build(cls, first_row: np.ndarray, num_drafts: np.ndarray, wants: RequestWants) -> LogprobLayout:
-        """first_row [B+1] bounds of each request's target rows; num_drafts [B] int64."""
+        """first_row [B] int64: the row of each request's first draft (its target rows follow);
+        num_drafts [B] int64."""
         with_rows = np.flatnonzero(wants.asks)  # [B'] requests that get rows
         sizes = num_drafts[with_rows] + 1  # [B']
         ends = np.cumsum(sizes)  # [B']
@@ -156,7 +193,7 @@ class LogprobLayout:
         row_pos = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64) - np.repeat(ends - sizes, sizes)  # [L]
         draft_offset = np.zeros(len(num_drafts) + 1, np.int64)  # [B+1]
         np.cumsum(num_drafts * wants.drafts, out=draft_offset[1:])
-        return cls(first_row[row_seq] + row_pos, row_seq, row_pos, draft_offset, wants)
+        return cls(first_row[row_seq] + row_pos, row_seq, row_pos, draft_offset, first_row, wants)
 
     @property
     def num_rows(self) -> int:
@@ -175,7 +212,7 @@ class LogprobLayout:
                out: np.ndarray | None = None) -> np.ndarray:
         """RequestWants.packed with the rows and draft offsets written too: what `expand_on_device`
         makes of that on the device. Rows past the layout's score nothing."""
-        out = self.wants.packed(shape, drafts, num_drafts, verdict_at, out)
+        out = self.wants.packed(shape, drafts, num_drafts, self.first_row, verdict_at, out)
         b, rows, _, _ = shape
         live_rows, live_b = self.num_rows, len(drafts)
         row_fields = out[:3 * rows].reshape(3, rows)  # row_target, row_seq, row_pos

@@ -133,15 +133,17 @@ class PendingVerdict:
 
 
 def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                  accept_policy: str, side: LogprobStream | None = None,
-                  renderer: LogprobRenderer | None = None, graphs: LogprobGraphs | None = None) -> PendingVerdict:
+                  accept_policy: str, side: LogprobStream | None = None, renderer: LogprobRenderer | None = None,
+                  graphs: LogprobGraphs | None = None, static_rows: np.ndarray | None = None) -> PendingVerdict:
     """Verify drafts of target logits [R, V] f32 and gather the logprobs `wanted` asks for, on the
     device, their host copies started (the verdict's first); nothing waits for the device.
 
     side: the CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     renderer: renders the entries of the requests `wanted.rendered` names.
-    graphs: the logprob work of steps over their static logits as CUDA graphs, in sequence
-    (cupyspec/logprob_graphs.py).
+    graphs: the logprob work as CUDA graphs over the forward graphs' static logits, in sequence
+    (cupyspec/logprob_graphs.py), for steps whose logits are there too: static_rows [B] int64 then
+    gives the row there of each request's first draft (logits may be a gather of the static rows:
+    in a step that also runs prompts, only some rows pick tokens).
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
@@ -149,8 +151,8 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     wants = _wants(wanted)
     k = wanted.max_top_logprobs
     renderer = renderer if any(wants.rendered) else None
-    graph = graphs.find_verifying(logits, wants.fields.shape(inp.draft_token_ids, inp.num_drafts), k, renderer) \
-        if graphs else None
+    graph = graphs.find_verifying(wants.fields.shape(inp.draft_token_ids, inp.num_drafts), k, renderer) \
+        if graphs is not None and static_rows is not None else None
     slot = graph.free_slot() if graph is not None else None
     overlap = side is not None and slot is None
     if overlap:  # the log-softmax starts once the logits are there, beside verification
@@ -159,7 +161,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     verdict = HostTransfer(xp, [runs])
     if slot is not None:
         on_device = graph.on_device
-        logprobs = graph.launch(slot, wants.fields, inp.draft_token_ids, inp.num_drafts, runs)
+        logprobs = graph.launch(slot, wants.fields, inp.draft_token_ids, inp.num_drafts, static_rows, runs)
     else:
         main_stream = xp.cuda.get_current_stream() if overlap else None
         layout = _layout(wanted, inp.num_drafts.tobytes())
@@ -208,7 +210,7 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> LogprobLayout:
     before, and building it took some 80 µs of NumPy calls on the H100's host (the launch of a
     verifying step is on the host's critical path)."""
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
-    first_row = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)  # [B+1]
+    first_row = np.cumsum(counts + 1) - (counts + 1)  # [B]
     layout = LogprobLayout.build(first_row, counts, _wants(wanted).fields)
     for array in (layout.row_target, layout.row_seq, layout.row_pos, layout.draft_offset):
         array.flags.writeable = False
@@ -261,7 +263,7 @@ def _rendered_entries(renderer: LogprobRenderer | None, host: GatheredLogprobs, 
         return (None,) * len(rendered)
     cu = host.cu_batch_token_offset.tolist()
 
-    bounds = [(cu[b], cu[b + 1]) if r else None for b, r in enumerate(rendered)]
+    bounds = [rows if r else None for rows, r in zip(zip(cu, cu[1:]), rendered)]
     return tuple(renderer.entries(entries, num_rows, bounds, lambda: emitted_rows(host, render_k, k)))
 
 
