@@ -210,11 +210,12 @@ class LogprobGraphs:
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
     def find_verifying(self, step: LayoutShape, k: int, renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
-        """The graph of verifying steps of layouts like `step`'s (their sizes padded, `padded`) over
+        """The graph of verifying steps of layouts like `step`'s (B, L and D padded, `padded`) over
         the static logits, made on first use; None when the step is not one to replay."""
         if k > KERNEL_MAX_K:
             return None
-        shape = LayoutShape(*map(padded, step))
+        shape = LayoutShape(padded(step.num_seqs), padded(step.num_rows), step.max_drafts,
+                            padded(step.num_draft_slots))  # K is at most the drafts a request is given
         return self._cached(("verifying", shape, k, renderer is not None),
                             lambda: VerifyingStepGraph(self._xp, self._logits, shape, k, renderer))
 

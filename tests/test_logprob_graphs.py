@@ -137,7 +137,7 @@ def test_steps_padded_alike_share_a_graph(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
     rng = np.random.default_rng(6)
     found = []
-    # the requests asking something have 16 and 15 rows: padded, 8 requests, 16 rows, 4 drafts, 8 draft slots twice
+    # the requests asking something have 16 and 15 rows: padded, 8 requests, 16 rows, 3 drafts, 8 draft slots twice
     for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9):
         _, inp, wanted = many_request_step(rng, np.array(num_drafts))
         found.append(graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 5,

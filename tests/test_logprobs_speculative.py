@@ -193,3 +193,22 @@ def test_draft_logprobs_without_speculation_are_empty_and_absent_unless_asked(ti
     asked, not_asked = asyncio.run(main())
     assert asked["draft_field"] == () and asked["drafts"] == []
     assert not_asked["draft_field"] is None
+
+
+def test_a_steps_logprobs_go_to_the_sequences_that_sampled() -> None:
+    """ModelRunner.add_logprobs: sequence 1 only ran its prompt, so its output keeps no logprobs."""
+    from types import SimpleNamespace
+
+    from cupyspec.runner import LaunchedStep, ModelRunner, SeqStepOutput
+    from cupyspec.spec.verify_step import LogprobRequests, StepLogprobs
+
+    records = [(TokenLogprob(7, -0.5, [7], [-0.5]),), (TokenLogprob(9, -0.1, [9], [-0.1]),)]
+    logprobs = StepLogprobs(tuple(records), (None, None), ("drafts 0", "drafts 2"))
+    verdict = SimpleNamespace(logprobs=lambda: logprobs)
+    inputs = SimpleNamespace(owners=(0, 2), logprobs=LogprobRequests((TOP, TOP), (True, True)))
+    outputs = [SeqStepOutput((7,), num_drafts=2, accepted=(False, False)),
+               SeqStepOutput(prompt_logprobs=((3, records[0][0]),)), SeqStepOutput((9,))]
+    got = ModelRunner.add_logprobs(LaunchedStep(inputs, None, 0, verdict), outputs)
+    assert got == [outputs[0]._replace(logprobs=records[0], draft_logprobs="drafts 0"), outputs[1],
+                   outputs[2]._replace(logprobs=records[1], draft_logprobs="drafts 2")]
+    assert all(type(out) is SeqStepOutput for out in got)

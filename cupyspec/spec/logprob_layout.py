@@ -143,10 +143,13 @@ class RequestWants:
         b, k = shape.num_seqs, shape.max_drafts
         live_b, live_k, fields = len(drafts), drafts.shape[1], _request_fields(shape)
         table = out[fields.drafts:fields.drafts + b * k].reshape(b, k)  # [B, K]
-        table[:live_b, :live_k], table[:live_b, live_k:], table[live_b:] = drafts, PLACEHOLDER_TOKEN_ID, \
-            PLACEHOLDER_TOKEN_ID
+        table[:live_b, :live_k] = drafts
+        if live_k < k or live_b < b:  # (each NumPy call costs the host a microsecond or two, an empty one too)
+            table[:live_b, live_k:], table[live_b:] = PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID
         for field, at in ((num_drafts, fields.num_drafts), (first_row, fields.first_row)):
-            out[at:at + live_b], out[at + live_b:at + b] = field, 0
+            out[at:at + live_b] = field
+            if live_b < b:
+                out[at + live_b:at + b] = 0
         out[-2:] = verdict_at, live_b
         return out
 
