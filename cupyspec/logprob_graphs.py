@@ -3,11 +3,12 @@
 A step's logprob work is a dozen calls into CuPy and the CUDA runtime: uploads, the top-k, gather
 and render launches and their allocations, events, the copies to the host. On the H100's host
 that took 0.2-0.3 ms a step, at one request as at 64, paid before the host could form the next
-step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py)
-the work of one step shape is captured once, with the copy of its results into pinned memory of
-its own:
+step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py, where
+the rows of a step that also runs prompts are too) the work of one step shape is captured once,
+with the copy of its results into pinned memory of its own:
 
-- a verifying step's (shape: its layout's sizes, `LayoutShape`, padded, and the top logprobs)
+- a verifying step's (shape: its layout's sizes, `LayoutShape`, with B, L and D padded, and the
+  top logprobs)
   writes its requests' fields, with the address of its verdict, into pinned memory of the graph's
   and launches the graph, which uploads them, expands them into the layout
   (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream

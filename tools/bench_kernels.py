@@ -115,9 +115,30 @@ def bench_attention() -> Iterator[Case]:
                    paged_attention_cuda(q, k, v, next(tables), b, p, dim ** -0.5))
 
 
+def bench_logprobs() -> Iterator[Case]:
+    """Log-softmax and top-k of a verifying step's rows (cuda/logsoftmax_topk.cu) over SmolLM2's
+    49,152-token vocabulary: one request's 6 rows, 64 requests' 298; the bytes are the rows' logits
+    read once (the kernel reads each row twice, the second time mostly from L2)."""
+    import cupy
+    import numpy as np
+
+    from cupyspec.sampling.logprobs import launch_top_logprobs
+
+    vocab = 49152
+    logits = cupy.random.default_rng(0).standard_normal((512, vocab), dtype=np.float32) * 3  # [R, V]
+    for rows, k in ((6, 5), (298, 0), (298, 5), (298, 20)):
+        picked = cupy.arange(rows, dtype=np.int64)  # [L]
+        peak, log_total = cupy.empty(rows, np.float32), cupy.empty(rows, np.float64)
+        top_ids, top_lps = cupy.empty((rows, k), np.int64), cupy.empty((rows, k), np.float32)
+        yield Case(f"top-k rows={rows} k={k}", rows * vocab * 4, 3 * rows * vocab,
+                   lambda p=picked, n=rows, k=k, outs=(peak, log_total, top_ids, top_lps):
+                   launch_top_logprobs(logits, p, n, k, *outs))
+
+
 BENCHES: dict[str, Callable[[], Iterator[Case]]] = {
     "attention": bench_attention,
     "linear": bench_linear,
+    "logprobs": bench_logprobs,
 }
 
 
