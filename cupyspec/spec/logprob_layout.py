@@ -91,9 +91,10 @@ class UploadedLayout:
         return LayoutArrays(*views)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RequestWants:
-    """What each request of a step asks, as the layout's request fields: int64 [B] arrays (read-only)."""
+    """What each request of a step asks, as the layout's request fields: int64 [B] arrays (read-only;
+    compared by identity)."""
 
     tokens: np.ndarray  # 1: logprobs of its emitted tokens
     drafts: np.ndarray  # 1: logprobs of its drafts
