@@ -223,7 +223,7 @@ class LogprobLayout:
         row_fields[0, :live_rows], row_fields[1, :live_rows], row_fields[2, :live_rows] = \
             self.row_target, self.row_seq, self.row_pos
         row_fields[:2, live_rows:], row_fields[2, live_rows:] = 0, PAD_POSITION
-        at = 3 * rows + b
+        at = _request_fields(shape).draft_offset
         out[at:at + live_b + 1], out[at + live_b + 1:at + b + 1] = self.draft_offset, self.draft_offset[-1]
         return out
 

@@ -212,7 +212,7 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> LogprobLayout:
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
     first_row = np.cumsum(counts + 1) - (counts + 1)  # [B]
     layout = LogprobLayout.build(first_row, counts, _wants(wanted).fields)
-    for array in (layout.row_target, layout.row_seq, layout.row_pos, layout.draft_offset):
+    for array in (layout.row_target, layout.row_seq, layout.row_pos, layout.draft_offset, layout.first_row):
         array.flags.writeable = False
     return layout
 
