@@ -8,9 +8,8 @@ the rows of a step that also runs prompts are too) the work of one step shape is
 with the copy of its results into pinned memory of its own:
 
 - a verifying step's (shape: its layout's sizes, `LayoutShape`, with B, L and D padded, and the
-  top logprobs)
-  writes its requests' fields, with the address of its verdict, into pinned memory of the graph's
-  and launches the graph, which uploads them, expands them into the layout
+  top logprobs) writes its requests' fields, with the address of its verdict, into pinned memory
+  of the graph's and launches the graph, which uploads them, expands them into the layout
   (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream
   (verification is not in it, so a side stream would have nothing to overlap). Rows past the
   step's score nothing, requests past its own ask nothing, so that a few shapes serve every step;

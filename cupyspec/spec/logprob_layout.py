@@ -44,9 +44,8 @@ class LayoutShape(NamedTuple):
 
     @property
     def packed_size(self) -> int:
-        """int64 elements of UploadedLayout.packed."""
-        b, rows, k, _ = self
-        return 3 * rows + 2 * b + 1 + b * k + 4 * b + 2
+        """int64 elements of UploadedLayout.packed: the request fields, then the verdict's two."""
+        return _request_fields(self).first_row + self.num_seqs + 2
 
 
 class LayoutArrays(NamedTuple):
@@ -78,17 +77,21 @@ class UploadedLayout:
             DeviceRows(self.packed.data.ptr, self.num_rows)
 
     @property
-    def render_k(self) -> Any:  # [B]: before wants_drafts, first_row and the verdict's; on a GPU its address
-        at = len(self.packed) - 3 * self.num_seqs - 2
+    def shape(self) -> LayoutShape:
+        return LayoutShape(self.num_seqs, self.num_rows, self.max_drafts, self.num_draft_slots)
+
+    @property
+    def render_k(self) -> Any:  # [B]; on a GPU its device address
+        at = _request_fields(self.shape).render_k
         return self.packed[at:at + self.num_seqs] if isinstance(self.packed, np.ndarray) else \
             self.packed.data.ptr + 8 * at
 
     def arrays(self) -> LayoutArrays:
-        sizes = [self.num_rows] * 3 + [self.num_seqs, self.num_seqs + 1, self.num_seqs * self.max_drafts, self.num_seqs]
-        bounds = np.cumsum([0] + sizes).tolist()
-        views = [self.packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-        views[5] = views[5].reshape(self.num_seqs, self.max_drafts)
-        return LayoutArrays(*views)
+        rows, fields, packed = self.num_rows, _request_fields(self.shape), self.packed
+        return LayoutArrays(packed[:rows], packed[rows:2 * rows], packed[2 * rows:3 * rows],
+                            packed[fields.wants_tokens:fields.draft_offset], packed[fields.draft_offset:fields.drafts],
+                            packed[fields.drafts:fields.num_drafts].reshape(self.num_seqs, self.max_drafts),
+                            packed[fields.num_drafts:fields.render_k])
 
 
 @dataclass(frozen=True, eq=False)
