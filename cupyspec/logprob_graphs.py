@@ -13,8 +13,9 @@ with the copy of its results into pinned memory of its own:
   (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream
   (verification is not in it, so a side stream would have nothing to overlap). Rows past the
   step's score nothing, requests past its own ask nothing, so that a few shapes serve every step;
-- a one-request plain step's (shape: the logprobs asked) copies its sampled token into a static
-  buffer and launches the graph, which brings the token with its logprobs.
+- a plain step's (shape: its requests, padded, and the top logprobs) writes each request's row of
+  the static logits and the entries it asks into pinned memory of the graph's, copies the sampled
+  tokens into a static buffer and launches the graph, which brings the tokens with their logprobs.
 
 Each shape has two graphs, used in turn, each lent to the HostTransfer of its results until the
 host has read them: one still lent is not launched again, and a step that finds both lent runs
@@ -33,14 +34,13 @@ from typing import Any
 import numpy as np
 
 from cupyspec.sampling.logprob_json import LogprobRenderer
-from cupyspec.sampling.logprobs import KERNEL_MAX_K, launch_top_logprobs
+from cupyspec.sampling.logprobs import KERNEL_MAX_K, DeviceRows, launch_top_logprobs
 from cupyspec.spec.accept_gather import RowLogprobs, gather_size, launch_gather
 from cupyspec.spec.logprob_layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
 from cupyspec.transfer import HostTransfer, to_device
 
 log = logging.getLogger("cupyspec")
 
-PLAIN_GRAPH_MAX_SEQS = 1  # plain steps of up to this many requests replay graphs
 GRAPHS_CACHED = 64  # step shapes captured at most (further shapes run eagerly)
 SMALL_SIZES = 16  # sizes up to this are padded to a power of two, larger ones to a multiple of it
 Fields = tuple[tuple[tuple[int, ...], type], ...]  # (shape, dtype) of each array in a buffer, in order
@@ -80,8 +80,9 @@ class LentGraphs:
         uploaded them yet)."""
         return self._staged[slot]
 
-    def _replay(self, slot: int) -> HostTransfer:
-        """Queue graph `slot` (a free one) on the current stream; the HostTransfer of its results."""
+    def _replay(self, slot: int, skip: int = 0) -> HostTransfer:
+        """Queue graph `slot` (a free one) on the current stream; the HostTransfer of its results, each
+        host array without its first `skip` rows."""
         stream = self._xp.cuda.get_current_stream()
         if not self._graphs:  # first use: the work once as it is (kernels loaded), then captured
             self._run(slot)
@@ -91,7 +92,9 @@ class LentGraphs:
                 self._graphs.append(stream.end_capture())
         else:
             self._graphs[slot].launch(stream)
-        transfer = HostTransfer.queued(self._xp, list(self._host_arrays[slot]), self._events[slot])
+        arrays = self._host_arrays[slot]
+        transfer = HostTransfer.queued(self._xp, [a[skip:] for a in arrays] if skip else list(arrays),
+                                       self._events[slot])
         self._lent[slot] = weakref.ref(transfer)
         return transfer
 
@@ -147,39 +150,51 @@ class VerifyingStepGraph(LentGraphs):
 
 
 class PlainStepGraph(LentGraphs):
-    """A plain step shape's graphs: the sampled tokens' logprobs and top k (and entries), copied to
-    the host with the tokens, as sample_on_device's arrays (and the render's)."""
+    """A plain step shape's graphs: the sampled tokens' logprobs and top k (and entries) of `rows`
+    rows of the static logits, copied to the host with the tokens, as sample_on_device's arrays (and
+    the render's). A step of n <= rows requests fills the last n rows: the padding comes first and
+    asks for no entries, so its render ends at byte 0 and the last n rows' results read as an n-row
+    step's, render included."""
 
-    def __init__(self, xp: Any, logits: Any, k: int, renderer: LogprobRenderer | None, render_k: np.ndarray) -> None:
-        """logits [R, V] f32: the static logits, a row per request; render_k [R] int64: as
-        LogprobRequests.render_k."""
-        rows = logits.shape[0]
+    def __init__(self, xp: Any, logits: Any, rows: int, k: int, renderer: LogprobRenderer | None) -> None:
+        """logits [R_all, V] f32: the static logits; rows: the padded requests of the steps it serves."""
         fields: Fields = (((rows,), np.int64), ((rows,), np.float32), ((rows, k), np.int64), ((rows, k), np.float32))
         if renderer is not None:
             fields += (((renderer.rendered_size(rows, k),), np.int64),)
-        results = xp.empty(sum(_words(*field) for field in fields), dtype=xp.int64)
+        results = xp.zeros(sum(_words(*field) for field in fields), dtype=xp.int64)  # padding: token 0
         self._tokens, lps, top_ids, top_lps, *rendered = _carve(results, fields)
-        render_k = to_device(xp, render_k) if renderer is not None else None
+        inputs = xp.zeros(2 * rows, dtype=xp.int64)  # [each request's row of the logits | its render_k], staged
+        row_of, render_k = inputs[:rows], inputs[rows:]
 
         def work() -> None:
-            launch_top_logprobs(logits, None, rows, k, None, None, top_ids, top_lps, self._tokens, lps)
+            launch_top_logprobs(logits, DeviceRows(row_of.data.ptr, rows), rows, k, None, None, top_ids, top_lps,
+                                self._tokens, lps)
             if renderer is not None:
                 renderer.render_into(rendered[0].data.ptr, self._tokens, lps, top_ids, top_lps, k, render_k, rows,
                                      rows)
 
-        super().__init__(xp, work, results, lambda host: _carve(host, fields))
+        super().__init__(xp, work, results, lambda host: _carve(host, fields), inputs)
+        self._rows = rows
+        for slot in range(2):  # the padding reads row 0 of the logits (its entries are not rendered: `launch`)
+            self.staged(slot)[:rows] = 0
 
-    def launch(self, slot: int, tokens: Any) -> HostTransfer:
-        """Queue graph `slot` on the current stream for the step's sampled tokens [R] int64 (on the
-        device); the HostTransfer of [tokens, their logprobs, top ids, top logprobs (, entries)]."""
+    def launch(self, slot: int, tokens: Any, rows: np.ndarray, render_k: np.ndarray) -> HostTransfer:
+        """Queue graph `slot` on the current stream for a step of n requests: their sampled tokens [n]
+        int64 (on the device), row of the static logits rows [n] and render_k [n] (as
+        LogprobRequests.render_k); the HostTransfer of their [tokens, logprobs, top ids, top logprobs
+        (, entries)]."""
+        padding, staged = self._rows - len(rows), self.staged(slot)
+        staged[padding:self._rows] = rows
+        staged[self._rows:self._rows + padding] = -1  # rows that served a larger step before may not render
+        staged[self._rows + padding:] = render_k
         runtime = self._xp.cuda.runtime
-        runtime.memcpyAsync(self._tokens.data.ptr, tokens.data.ptr, self._tokens.nbytes, runtime.memcpyDeviceToDevice,
-                            self._xp.cuda.get_current_stream().ptr)
-        return self._replay(slot)
+        runtime.memcpyAsync(self._tokens.data.ptr + 8 * padding, tokens.data.ptr, 8 * len(rows),
+                            runtime.memcpyDeviceToDevice, self._xp.cuda.get_current_stream().ptr)
+        return self._replay(slot, padding)
 
 
 def padded(size: int) -> int:
-    """A size of a verifying graph's shape, padded: powers of two up to SMALL_SIZES, then its multiples
+    """A size of a graph's step shape, padded: powers of two up to SMALL_SIZES, then its multiples
     (few shapes to capture, and at most SMALL_SIZES - 1 rows or requests of padding)."""
     if size <= 1:
         return size
@@ -206,7 +221,7 @@ class LogprobGraphs:
 
     def __init__(self, xp: Any, static_logits: Any) -> None:
         """static_logits [rows, V] f32: the buffer the forward pass's graphs write their logits to."""
-        self._xp, self._logits, self._base = xp, static_logits, static_logits.data.ptr
+        self._xp, self._logits = xp, static_logits
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
     def find_verifying(self, step: LayoutShape, k: int, renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
@@ -219,16 +234,14 @@ class LogprobGraphs:
         return self._cached(("verifying", shape, k, renderer is not None),
                             lambda: VerifyingStepGraph(self._xp, self._logits, shape, k, renderer))
 
-    def find_plain(self, logits: Any, k: int, renderer: LogprobRenderer | None,
-                   render_k: np.ndarray) -> PlainStepGraph | None:
-        """The graph of a plain step over logits [R, V] f32 (a row per request) asking top k logprobs,
-        rendered for the requests render_k [R] names (and only if renderer); None when the step is
-        not one to replay."""
-        if k > KERNEL_MAX_K or len(logits) > PLAIN_GRAPH_MAX_SEQS or logits.data.ptr != self._base:
+    def find_plain(self, num_seqs: int, k: int, renderer: LogprobRenderer | None) -> PlainStepGraph | None:
+        """The graph of plain steps of num_seqs requests (padded, `padded`) over the static logits, asking
+        top k logprobs (rendered where renderer); None when the step is not one to replay."""
+        rows = padded(num_seqs)
+        if k > KERNEL_MAX_K or rows > len(self._logits):
             return None
-        renderer = renderer if (render_k >= 0).any() else None
-        return self._cached(("plain", k, render_k.tobytes(), logits.shape, renderer is not None),
-                            lambda: PlainStepGraph(self._xp, logits, k, renderer, render_k))
+        return self._cached(("plain", rows, k, renderer is not None),
+                            lambda: PlainStepGraph(self._xp, self._logits, rows, k, renderer))
 
     def _cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         graph = self._graphs.get(key)

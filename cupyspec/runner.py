@@ -252,7 +252,7 @@ class ModelRunner:
                 tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
                 self.sampled_tokens[:len(inputs.owners)] = tokens
                 k = max_logprobs(inputs.sampling)
-                replayed = self._replay_logprobs(target_logits, tokens, k, inputs) if prompt_logits is None else None
+                replayed = self._replay_logprobs(tokens, k, inputs) if static and prompt_logits is None else None
                 if replayed is not None:
                     return LaunchedStep(inputs, replayed, SAMPLER_ARRAYS + int(inputs.logprobs.renders), None)
                 arrays = [tokens] if k is None else [tokens, *logprobs_on_device(xp, target_logits, tokens, k)]
@@ -266,16 +266,15 @@ class ModelRunner:
                 arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
             return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
 
-    def _replay_logprobs(self, logits: Any, tokens: Any, k: int | None, inputs: StepInputs) -> HostTransfer | None:
-        """A plain step's logprobs of its sampled tokens [R] (top k) by a CUDA graph: the transfer of
-        the tokens, their logprobs (and entries); None where no graph replays them."""
+    def _replay_logprobs(self, tokens: Any, k: int | None, inputs: StepInputs) -> HostTransfer | None:
+        """A plain step's logprobs of its sampled tokens [R] (top k) by a CUDA graph over the static
+        logits: the transfer of the tokens, their logprobs (and entries); None where no graph replays them."""
         if k is None or self.logprob_graphs is None:
             return None
-        render_k = inputs.logprobs.render_k
-        graph = self.logprob_graphs.find_plain(logits, k, self.renderer if inputs.logprobs.renders else None,
-                                               render_k)
+        graph = self.logprob_graphs.find_plain(len(inputs.owners), k,
+                                               self.renderer if inputs.logprobs.renders else None)
         slot = graph.free_slot() if graph is not None else None
-        return graph.launch(slot, tokens) if slot is not None else None
+        return graph.launch(slot, tokens, inputs.target_rows, inputs.logprobs.render_k) if slot is not None else None
 
     def collect(self, step: LaunchedStep, logprobs: bool = True) -> list[SeqStepOutput]:
         """Wait for a launched step's results; each scheduled sequence's output, in order. Without

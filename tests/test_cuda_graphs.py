@@ -75,22 +75,28 @@ KV_CACHE_BYTES = 1 << 30  # per engine: the engines of a test run one after the 
 # may hold its memory until a garbage collection (its parts refer to each other)
 
 
+Answer = tuple[list[int], list[TokenLogprob], bytes]  # a request's tokens, logprob records and rendered entries
+
+
 async def _greedy_answers(model_path: str, cuda_graphs: bool, method: str | None, overlap_scheduling: bool = True,
-                          logprobs: int | None = None) -> list[tuple[list[int], list[TokenLogprob]]]:
-    """Each prompt's greedy tokens, and their logprobs with `logprobs` alternatives when asked."""
+                          logprobs: int | None = None, render: bool = False) -> list[Answer]:
+    """Each prompt's greedy tokens, and their logprobs with `logprobs` alternatives when asked: as
+    records, or as rendered entries when `render`."""
     speculative = SpeculativeConfig(method=method, num_speculative_tokens=5 if method else 0, cost_aware_backoff=False)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
                                                    speculative=speculative, overlap_scheduling=overlap_scheduling,
                                                    cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)))
-    params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=logprobs)
+    params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=logprobs, render_logprobs=render)
 
-    async def answer(prompt: str) -> tuple[list[int], list[TokenLogprob]]:
+    async def answer(prompt: str) -> Answer:
         tokens: list[int] = []
         entries: list[TokenLogprob] = []
+        rendered = b""
         async for out in engine.chat([{"role": "user", "content": prompt}], params):
             tokens += [t for d in out.deltas for t in d.token_ids]
             entries += [e for d in out.deltas for e in d.logprobs or ()]
-        return tokens, entries
+            rendered += b"".join(bytes(d.logprobs_json.data) for d in out.deltas if d.logprobs_json is not None)
+        return tokens, entries, rendered
 
     prompts = [p for p, _ in GOLDEN_PROMPTS] + ["Repeat this list exactly: " + ", ".join(map(str, range(40)))]
     try:
@@ -100,11 +106,16 @@ async def _greedy_answers(model_path: str, cuda_graphs: bool, method: str | None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", [None, "ngram"])
-def test_greedy_outputs_with_cuda_graphs_equal_eager(default_model_path, method: str | None) -> None:
-    eager = asyncio.run(_greedy_answers(default_model_path, False, method))
-    graphed = asyncio.run(_greedy_answers(default_model_path, True, method))
+@pytest.mark.parametrize("method, logprobs, render", [(None, None, False), ("ngram", None, False), (None, 3, False),
+                                                      (None, 3, True), ("ngram", 3, True)])
+def test_greedy_outputs_with_cuda_graphs_equal_eager(default_model_path, method: str | None, logprobs: int | None,
+                                                     render: bool) -> None:
+    """Steps of many requests, their logprobs too (replayed as graphs with the forward pass's)."""
+    eager = asyncio.run(_greedy_answers(default_model_path, False, method, logprobs=logprobs, render=render))
+    graphed = asyncio.run(_greedy_answers(default_model_path, True, method, logprobs=logprobs, render=render))
     assert graphed == eager
+    if logprobs is not None:
+        assert all((rendered if render else entries) for _, entries, rendered in eager)
 
 
 # Two logprobs closer than this (nats) are a near-tie: a row's logits differ in the last bits between
@@ -113,10 +124,10 @@ def test_greedy_outputs_with_cuda_graphs_equal_eager(default_model_path, method:
 NEAR_TIE = 0.1
 
 
-def assert_equal_up_to_near_ties(got: list[list[int]], want: list[tuple[list[int], list[TokenLogprob]]]) -> None:
+def assert_equal_up_to_near_ties(got: list[list[int]], want: list[Answer]) -> None:
     """Each answer in `got` equals its reference in `want` or leaves it where the reference's token and
     the one taken instead are a near-tie (the two most likely tokens there, from the reference's logprobs)."""
-    for tokens, (reference, entries) in zip(got, want, strict=True):
+    for tokens, (reference, entries, _) in zip(got, want, strict=True):
         if tokens == reference:
             continue
         at = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
@@ -134,4 +145,4 @@ def test_greedy_outputs_with_overlap_scheduling_equal_a_step_at_a_time(default_m
     one_at_a_time = asyncio.run(_greedy_answers(default_model_path, True, None, overlap_scheduling=False, logprobs=2))
     for method in (None, "ngram"):
         answers = asyncio.run(_greedy_answers(default_model_path, True, method))
-        assert_equal_up_to_near_ties([tokens for tokens, _ in answers], one_at_a_time)
+        assert_equal_up_to_near_ties([tokens for tokens, _, _ in answers], one_at_a_time)

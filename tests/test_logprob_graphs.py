@@ -171,57 +171,69 @@ def test_a_step_whose_logits_are_a_gather_of_the_static_rows_replays_them(device
                                  renderer).free_slot() is not None  # replayed, and read
 
 
-def eager_plain_step(cupy, logits, tokens, k: int, renderer: LogprobRenderer | None) -> list[np.ndarray]:  # noqa: ANN001
-    """The eager path's arrays of a one-request plain step: tokens, their logprobs, top ids and logprobs (, entries)."""
+def eager_plain_step(cupy, logits, tokens, k: int, renderer: LogprobRenderer | None,  # noqa: ANN001
+                     render_k: np.ndarray) -> list[np.ndarray]:
+    """The eager path's arrays of a plain step: tokens, their logprobs, top ids and logprobs (, entries)."""
     arrays = [tokens, *logprobs_on_device(cupy, logits, tokens, k)]
     if renderer is not None:
-        arrays.append(renderer.render(cupy, *arrays, k, cupy.asarray(np.array([k])), 1, 1))
+        rows = len(render_k)
+        arrays.append(renderer.render(cupy, *arrays, k, cupy.asarray(render_k), rows, rows))
     return [a.get() for a in arrays]
 
 
 @pytest.mark.gpu
 def test_replayed_plain_steps_equal_eager_ones(device) -> None:  # noqa: ANN001
+    """Steps of 1 to 17 requests, whose rows are anywhere in the static logits, some asking entries."""
     cupy, static, graphs, renderer = device
     rng = np.random.default_rng(3)
-    for step in range(6):  # each shape captured, then replayed by both of its graphs in turn
-        static[:1] = cupy.asarray((rng.standard_normal((1, VOCAB)) * 3).astype(np.float32))
-        tokens = cupy.asarray(rng.integers(0, VOCAB, 1))  # any token: a drawn one need not be the argmax
+    for step in range(12):  # shapes captured, then replayed by both of their graphs in turn
+        num_seqs = (1, 3, 16, 9, 17, 2)[step % 6]  # 9 after 16 (both padded to 16): padding that rendered before
+        static[:] = cupy.asarray((rng.standard_normal((len(static), VOCAB)) * 3).astype(np.float32))
+        rows = np.sort(rng.choice(len(static), num_seqs, replace=False))  # [n] prompt rows between them
+        tokens = cupy.asarray(rng.integers(0, VOCAB, num_seqs))  # any token: a drawn one need not be the argmax
         for k, render in ((5, True), (3, False), (0, False)):
-            graph = graphs.find_plain(static[:1], k, renderer, np.array([k if render else -1]))
-            got = graph.launch(graph.free_slot(), tokens).result()
-            want = eager_plain_step(cupy, static[:1], tokens, k, renderer if render else None)
+            render_k = np.where(rng.random(num_seqs) < 0.5, k, -1) if render else np.full(num_seqs, -1)
+            graph = graphs.find_plain(num_seqs, k, renderer if render else None)
+            got = graph.launch(graph.free_slot(), tokens, rows, render_k).result()
+            want = eager_plain_step(cupy, static[cupy.asarray(rows)], tokens, k, renderer if render else None,
+                                    render_k)
             assert len(got) == len(want)
             for g, w in zip(got[:4], want[:4]):
                 assert g.dtype == w.dtype and g.shape == w.shape
                 np.testing.assert_array_equal(g, w)
-            if render:  # the entries (past them the render's buffer is not written)
-                (mine,), (eager,) = (renderer.entries(r, 1, [(0, 1)], None) for r in (got[4], want[4]))
-                assert mine == eager and bytes(mine.data).startswith(b'{"token":')
+            if render:  # each request's entries (past them the render's buffer is not written)
+                bounds = [(s, s + 1) if r >= 0 else None for s, r in enumerate(render_k)]
+                mine, eager = (renderer.entries(r, num_seqs, bounds, None) for r in (got[4], want[4]))
+                assert mine == eager
+                assert all(bytes(e.data).startswith(b'{"token":') for e in mine if e is not None)
 
 
 @pytest.mark.gpu
 def test_a_plain_graph_whose_results_are_unread_is_not_launched_again(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
     static[:1] = cupy.asarray(np.random.default_rng(4).standard_normal((1, VOCAB)).astype(np.float32))
-    graph = graphs.find_plain(static[:1], 2, renderer, np.array([2]))
-    first = graph.launch(graph.free_slot(), cupy.asarray([7]))
-    second = graph.launch(graph.free_slot(), cupy.asarray([9]))
+    graph = graphs.find_plain(1, 2, renderer)
+
+    def launch(token: int):  # noqa: ANN202
+        return graph.launch(graph.free_slot(), cupy.asarray([token]), np.array([0]), np.array([2]))
+
+    first, second = launch(7), launch(9)
     assert graph.free_slot() is None  # both lent
     assert second.result()[0].tolist() == [9]
-    third = graph.launch(graph.free_slot(), cupy.asarray([11]))  # into second's graph, read
+    third = launch(11)  # into second's graph, read
     assert first.result()[0].tolist() == [7] and third.result()[0].tolist() == [11]
-    unread = [graph.launch(graph.free_slot(), cupy.asarray([t])) for t in (13, 15)]
+    unread = [launch(t) for t in (13, 15)]
     assert graph.free_slot() is None
     del unread[0]  # dropped unread: nobody will read it
     assert graph.free_slot() is not None and unread[0].result()[0].tolist() == [15]
 
 
 @pytest.mark.gpu
-def test_only_one_request_plain_steps_over_the_static_logits_are_replayed(device) -> None:  # noqa: ANN001
+def test_plain_steps_past_the_static_rows_or_the_kernels_k_are_not_replayed(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
-    assert graphs.find_plain(cupy.zeros((1, VOCAB), cupy.float32), 5, renderer, np.array([5])) is None
-    assert graphs.find_plain(static[:2], 5, renderer, np.array([5, 5])) is None
-    assert graphs.find_plain(static[:1], 21, None, np.array([-1])) is None  # more than the kernel gives
+    assert graphs.find_plain(len(static), 5, renderer) is not None
+    assert graphs.find_plain(len(static) + 1, 5, renderer) is None  # padded past the static rows
+    assert graphs.find_plain(1, 21, None) is None  # more than the kernel gives
 
 
 async def _one_stream(model_path: str, cuda_graphs: bool) -> list[tuple]:
