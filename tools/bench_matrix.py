@@ -10,8 +10,19 @@ By default each server is started in turn and runs every benchmark. With `--roun
 every server runs at once, on consecutive ports, and each round runs each benchmark on every
 server, the servers' order turning by one each round: a machine whose speed drifts between runs
 (on a shared host, by tens of percent at load) then weighs on every setting alike. Give each
-server its share of GPU memory (`--kv-cache-memory`). The table has each column's mean over the
-rounds, and the lowest and highest output throughput.
+server its share of GPU memory (`--kv-cache-memory`); the benchmarks' order turns too. The table has
+each column's mean over the rounds, the output throughput's median, lowest and highest, and its
+change against the first benchmark on the same server: the median over the rounds of each round's
+ratio (the two ran back to back, so the drift of the machine weighs less than on the medians).
+`--warm-rounds` runs rounds first that the table leaves out (CUDA graphs captured, caches filled).
+
+To measure what a request option costs, give it as a second benchmark:
+
+    python tools/bench_matrix.py --out results --rounds 9 --warm-rounds 1 \
+        --server "ngram5=--device cuda --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":5}'" \
+        --bench 'none=--dataset code-rewrite --num-prompts 256 --max-concurrency 64' \
+        --bench "lp=--dataset code-rewrite --num-prompts 256 --max-concurrency 64 \
+                 --extra-body '{\"logprobs\":true,\"top_logprobs\":5}'"
 
 Arguments are split as a shell would (shlex): quote JSON values. Each result goes to
 <out>/<server>-<bench>.json (with rounds, <out>/<server>-<bench>-<round>.json: tools/bench_serve.py's
@@ -30,7 +41,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import bench_serve
 
@@ -93,26 +104,35 @@ def run_bench(url: str, bench_args: list[str], result_file: Path) -> dict:
 
 def run_order(servers: list[str], benches: list[str], rounds: int) -> list[tuple[int, str, str]]:
     """(round, bench, server) in the order they run: each round runs each bench on every server,
-    the servers' order turned by one more each round."""
+    the benches' and the servers' orders turned by one more each round."""
     order = []
     for r in range(rounds):
-        turned = servers[r % len(servers):] + servers[:r % len(servers)]
-        order += [(r, bench, server) for bench in benches for server in turned]
+        order += [(r, bench, server) for bench in _turned(benches, r) for server in _turned(servers, r)]
     return order
 
 
-def table(rows: list[dict]) -> list[dict]:
-    """Rows of one (server, bench, summary) per run -> one per (server, bench), in first-run order:
-    each column's mean over the runs that report it, the runs, and the throughput's range."""
+def _turned(labels: list[str], by: int) -> list[str]:
+    return labels[by % len(labels):] + labels[:by % len(labels)]
+
+
+def table(rows: list[dict], servers: list[str], benches: list[str]) -> list[dict]:
+    """Rows of one (server, bench, round, summary) per run -> one per (server, bench), in the order
+    given: each column's mean over the runs that report it, the runs, the throughput's median and
+    range, and its change against the first bench's on the same server (the median of the rounds'
+    ratios, minus 1; None for the first bench)."""
+    first_bench = benches[0]
     groups: dict[tuple[str, str], list[dict]] = {}
-    for row in rows:
+    for row in sorted(rows, key=lambda row: (servers.index(row["server"]), benches.index(row["bench"]))):
         groups.setdefault((row["server"], row["bench"]), []).append(row)
     out = []
     for (server, bench), runs in groups.items():
         means = {c: mean(v) if (v := [r[c] for r in runs if r.get(c) is not None]) else None for c in COLUMNS}
         throughput = [r["output_throughput"] for r in runs]
-        out.append({"server": server, "bench": bench, "runs": len(runs), **means,
-                    "lowest": min(throughput), "highest": max(throughput)})
+        base = {r["round"]: r["output_throughput"] for r in groups.get((server, first_bench), [])}
+        ratios = [r["output_throughput"] / base[r["round"]] for r in runs if base.get(r["round"])]
+        change = median(ratios) - 1 if bench != first_bench and ratios else None
+        out.append({"server": server, "bench": bench, "runs": len(runs), **means, "median": median(throughput),
+                    "lowest": min(throughput), "highest": max(throughput), "change": change})
     return out
 
 
@@ -123,29 +143,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--port", type=int, default=8000, help="the first server's (with --rounds, the others follow)")
     p.add_argument("--rounds", type=int, default=1, help="above 1: every server at once, benchmarks alternating")
+    p.add_argument("--warm-rounds", type=int, default=0, help="rounds run first, left out of the table")
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
+    if args.rounds < 1 or args.warm_rounds < 0:
+        p.error("--rounds must be at least 1, --warm-rounds at least 0")
     args.out.mkdir(parents=True, exist_ok=True)
     benches = dict(args.bench)
     rows = []
-    if args.rounds == 1:
+
+    def run(url: str, label: str, bench: str, r: int) -> None:
+        measured = r - args.warm_rounds
+        suffix = f"-warm-{r + 1}" if measured < 0 else f"-{measured + 1}" if args.rounds > 1 else ""
+        summary = run_bench(url, benches[bench], args.out / f"{label}-{bench}{suffix}.json")
+        if measured >= 0:
+            rows.append({"server": label, "bench": bench, "round": measured} | summary)
+
+    if args.rounds == 1:  # one server at a time
         for label, server_args in args.server:
             with running_servers([(label, server_args)], args.out, args.port, args.start_timeout) as urls:
-                for bench, bench_args in args.bench:
-                    summary = run_bench(urls[label], bench_args, args.out / f"{label}-{bench}.json")
-                    rows.append({"server": label, "bench": bench} | summary)
+                for r, bench, _ in run_order([label], list(benches), args.warm_rounds + 1):
+                    run(urls[label], label, bench, r)
     else:
         with running_servers(args.server, args.out, args.port, args.start_timeout) as urls:
-            for r, bench, label in run_order(list(urls), list(benches), args.rounds):
-                summary = run_bench(urls[label], benches[bench], args.out / f"{label}-{bench}-{r + 1}.json")
-                rows.append({"server": label, "bench": bench} | summary)
-    extra = ("runs", "lowest", "highest") if args.rounds > 1 else ()
-    print(f"{'server':<12}{'bench':<12}" + "".join(f"{c:>24}" for c in COLUMNS + extra))
-    for row in table(rows):
+            for r, bench, label in run_order(list(urls), list(benches), args.warm_rounds + args.rounds):
+                run(urls[label], label, bench, r)
+    extra = ("runs", "median", "lowest", "highest") if args.rounds > 1 else ()
+    print(f"{'server':<12}{'bench':<12}" + "".join(f"{c:>24}" for c in COLUMNS + extra) + f"{'change':>10}")
+    for row in table(rows, [label for label, _ in args.server], list(benches)):
         cells = ["-" if row[c] is None else f"{row[c]:.2f}" for c in COLUMNS + extra]
-        print(f"{row['server']:<12}{row['bench']:<12}" + "".join(f"{c:>24}" for c in cells))
+        change = "-" if row["change"] is None else f"{row['change']:+.1%}"
+        print(f"{row['server']:<12}{row['bench']:<12}" + "".join(f"{c:>24}" for c in cells) + f"{change:>10}")
     return 0
 
 
