@@ -8,12 +8,14 @@
 //      for something (num_drafts + 1 rows each), and its first draft slot (draft_offset [B+1], over
 //      the requests that asked for draft logprobs), then
 //   2. writes each asking request's rows j = 0..num_drafts[b]: row_target = first_row[b] + j,
-//      row_seq = b, row_pos = j; rows past theirs get row_pos PAD_POSITION, which scores nothing.
+//      row_seq = b, row_pos = j; rows past theirs get row_target PAD_ROW, which reads no logits, and
+//      row_pos PAD_POSITION, which scores nothing.
 
 #include "block_scan.cuh"
 
 #define MAX_THREADS 1024
-#define PAD_POSITION (1LL << 62)  // logprob_layout.py's
+#define PAD_ROW (-1LL)  // logprob_layout.py's
+#define PAD_POSITION (1LL << 62)
 
 extern "C" __global__ void expand_logprob_layout(long long* __restrict__ layout, int num_seqs, int num_rows,
                                                  int max_drafts)
@@ -60,7 +62,7 @@ extern "C" __global__ void expand_logprob_layout(long long* __restrict__ layout,
         }
     }
     for (long long r = used_rows + t; r < num_rows; r += threads) {  // padding rows
-        row_target[r] = 0;
+        row_target[r] = PAD_ROW;
         row_seq[r] = 0;
         row_pos[r] = PAD_POSITION;
     }

@@ -1,6 +1,7 @@
 // Row log-softmax normalizers and top-k; twin: top_logprobs_on_device in cupyspec/sampling/logprobs.py.
 //
-// One block per selected row r of logits [R, V] (rows[r] picks it; row r itself when rows is null). Outputs
+// One block per selected row r of logits [R, V] (rows[r] picks it; row r itself when rows is null; a
+// negative rows[r] picks none, and row r's outputs are left as they are: a padding row). Outputs
 //   peak[r] = max_t x[t], log_total[r] = log sum_t exp(x[t] - peak) (f64 sum),
 //   the k largest entries, largest first, ties broken by the lower index, and their logprobs
 //   f32(f64(x[t] - peak) - log_total); when chosen_ids is given, the logprob of chosen_ids[r] too.
@@ -74,7 +75,9 @@ __device__ __forceinline__ void logsoftmax_topk(
     __shared__ Best best_scratch[THREADS / 32];
     __shared__ double sum_scratch[THREADS / 32];
     const int r = blockIdx.x;
-    const float* x = logits + (rows != nullptr ? rows[r] : r) * vocab;
+    const long long row = rows != nullptr ? rows[r] : r;
+    if (row < 0) return;  // the whole block: no barrier is waited for
+    const float* x = logits + row * vocab;
     const Best empty{NEG_INF, 0x7fffffff};
 
     // ---- pass 1: this thread's best; the row's peak, and the k-th best of the threads' bests ----

@@ -7,12 +7,14 @@ step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_g
 the rows of a step that also runs prompts are too) the work of one step shape is captured once,
 with the copy of its results into pinned memory of its own:
 
-- a verifying step's (shape: its layout's sizes, `LayoutShape`, with B, L and D padded, and the
-  top logprobs) writes its requests' fields, with the address of its verdict, into pinned memory
-  of the graph's and launches the graph, which uploads them, expands them into the layout
+- a verifying step's (shape: its requests B, padded, the most drafts K a request verifies, and
+  the top logprobs; the layout holds B * (K + 1) rows and B * K draft slots, `LayoutShape`) writes
+  its requests' fields, with the address of its verdict, into pinned memory of the graph's and
+  launches the graph, which uploads them, expands them into the layout
   (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream
   (verification is not in it, so a side stream would have nothing to overlap). Rows past the
-  step's score nothing, requests past its own ask nothing, so that a few shapes serve every step;
+  step's read no logits and score nothing, requests past its own ask nothing, so that a few shapes
+  serve every step;
 - a plain step's (shape: its requests, padded, and the top logprobs) writes each request's row of
   the static logits and the entries it asks into pinned memory of the graph's, copies the sampled
   tokens into a static buffer and launches the graph, which brings the tokens with their logprobs.
@@ -115,7 +117,7 @@ class VerifyingStepGraph(LentGraphs):
     the layout's tail says (`RequestWants.packed`)."""
 
     def __init__(self, xp: Any, logits: Any, shape: LayoutShape, k: int, renderer: LogprobRenderer | None) -> None:
-        """logits [R, V] f32: the static logits; shape: the padded sizes of the steps it serves."""
+        """logits [R, V] f32: the static logits; shape: its layout's sizes, at least its steps'."""
         rows_size = RowLogprobs.size(shape.num_rows, k)
         # [packed | the rows' logprobs | the gather's buffer]
         workspace = xp.empty(shape.packed_size + rows_size + gather_size(UploadedLayout(None, *shape), k, renderer),
@@ -224,13 +226,16 @@ class LogprobGraphs:
         self._xp, self._logits = xp, static_logits
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
-    def find_verifying(self, step: LayoutShape, k: int, renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
-        """The graph of verifying steps of layouts like `step`'s (B, L and D padded, `padded`) over
-        the static logits, made on first use; None when the step is not one to replay."""
+    def find_verifying(self, num_seqs: int, max_drafts: int, k: int,
+                       renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
+        """The graph of verifying steps of num_seqs requests (padded, `padded`) with up to max_drafts
+        drafts each over the static logits, made on first use; None when the step is not one to
+        replay. Its layout holds every row and draft slot such a step can have, so that the host
+        counts neither."""
         if k > KERNEL_MAX_K:
             return None
-        shape = LayoutShape(padded(step.num_seqs), padded(step.num_rows), step.max_drafts,
-                            padded(step.num_draft_slots))  # K is at most the drafts a request is given
+        b = padded(num_seqs)
+        shape = LayoutShape(b, b * (max_drafts + 1), max_drafts, b * max_drafts)
         return self._cached(("verifying", shape, k, renderer is not None),
                             lambda: VerifyingStepGraph(self._xp, self._logits, shape, k, renderer))
 

@@ -10,7 +10,7 @@ from cupyspec.sampling.logprobs import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, _wants, launch_verify
+from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, launch_verify
 from cupyspec.token_text import TokenText
 
 VOCAB, MAX_DRAFTS = 5000, 5
@@ -137,15 +137,13 @@ def test_steps_padded_alike_share_a_graph(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
     rng = np.random.default_rng(6)
     found = []
-    # the requests asking something have 16 and 15 rows: padded, 8 requests, 16 rows, 3 drafts, 8 draft slots twice
-    for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9):
+    for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9, [2] * 5):  # 5 and 6 requests padded to 8, with 3 drafts
         _, inp, wanted = many_request_step(rng, np.array(num_drafts))
-        found.append(graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 5,
-                                           renderer))
-    assert found[0] is found[1] and found[0].on_device.num_seqs == 8 and found[0].on_device.num_rows == 16
-    assert found[2] is not found[0] and found[2].on_device.num_seqs == 16
-    _, inp, wanted = many_request_step(rng, np.array([2, 1]))
-    assert graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 21, None) is None
+        found.append(graphs.find_verifying(len(num_drafts), inp.draft_token_ids.shape[1], 5, renderer))
+    assert found[0] is found[1] and found[0].on_device.shape == (8, 8 * 4, 3, 8 * 3)  # every row and slot
+    assert found[2].on_device.num_seqs == 16 and found[3].on_device.max_drafts == 2
+    assert len({id(graph) for graph in found}) == 3
+    assert graphs.find_verifying(2, 2, 21, None) is None  # more top logprobs than the kernel gives
 
 
 @pytest.mark.gpu
@@ -167,7 +165,7 @@ def test_a_step_whose_logits_are_a_gather_of_the_static_rows_replays_them(device
         want = launch_verify(cupy, gathered, inp, wanted, "rejection", "normal", None, renderer).result()
         assert_same(got, want)
         assert any(got.logprobs.rendered) and any(got.logprobs.tokens)
-    assert graphs.find_verifying(_wants(wanted).fields.shape(inp.draft_token_ids, inp.num_drafts), 5,
+    assert graphs.find_verifying(len(inp.num_drafts), inp.draft_token_ids.shape[1], 5,
                                  renderer).free_slot() is not None  # replayed, and read
 
 

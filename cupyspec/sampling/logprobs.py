@@ -93,8 +93,8 @@ def _top_logprobs_cuda(logits: Any, rows: Any | None, k: int, chosen_ids: Any | 
 def launch_top_logprobs(logits: Any, rows: Any | None, count: int, k: int, peak: Any, log_total: Any, top_ids: Any,
                         top_lps: Any, chosen_ids: Any | None = None, chosen_lps: Any | None = None) -> None:
     """On a GPU, cuda/logsoftmax_topk.cu over `count` rows of logits [R_all, V] (rows: DeviceRows, a
-    CuPy int64 array or None for all), into the given outputs: CuPy arrays or device addresses (int;
-    None: not wanted). k <= KERNEL_MAX_K."""
+    CuPy int64 array or None for all; a negative row is skipped, its outputs left unwritten), into
+    the given outputs: CuPy arrays or device addresses (int; None: not wanted). k <= KERNEL_MAX_K."""
     import cupy as cp
 
     from cupyspec.kernels import load_kernel
@@ -113,7 +113,7 @@ def launch_top_logprobs(logits: Any, rows: Any | None, count: int, k: int, peak:
 def top_logprobs_on_device(xp: Any, logits: Any, k: int, rows: Any | None = None) -> tuple[Any, Any, Any, Any]:
     """Device arrays (peak [R] f32, log_total [R] f64, top ids [R, k] int64, top logprobs [R, k] f32)
     of log_softmax over the rows of logits [R_all, V] picked by rows [R] (default: all rows; on a GPU
-    also DeviceRows).
+    also DeviceRows; a negative row's outputs are unspecified: a layout's padding).
     The normalizers give any other token's logprob later (`logprobs_at`). On a GPU this is one
     kernel, cuda/logsoftmax_topk.cu, with these lines as its twin."""
     _check_logits(logits, k)

@@ -9,8 +9,8 @@ the drafts travel as one int64 array, `UploadedLayout.packed`:
     the verdict's B
 
 where first_row[b] is the row of the logits that scores request b's first draft. A CUDA graph's
-layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past a step's score
-nothing (row_pos PAD_POSITION), requests past its own ask nothing. The host then writes only the
+layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past a step's read no
+logits and score nothing (row_target PAD_ROW, row_pos PAD_POSITION), requests past its own ask nothing. The host then writes only the
 requests' fields (`RequestWants.packed`), and cuda/logprob_layout.cu expands them into the rows
 and draft offsets on the device (`expand_on_device`; its twin: `LogprobLayout.build`): at 64
 requests building the rows took the H100's host some 55 µs a step.
@@ -30,6 +30,7 @@ from cupyspec.sampling.logprobs import DeviceRows
 from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import to_device
 
+PAD_ROW = -1  # row_target of a padding row: no row of the logits (the top-k skips it)
 PAD_POSITION = 1 << 62  # row_pos of a padding row: past every request's drafts, so it scores nothing
 EXPAND_THREADS = 256  # one block; cuda/logprob_layout.cu scans with at most 1024
 
@@ -103,7 +104,6 @@ class RequestWants:
     drafts: np.ndarray  # 1: logprobs of its drafts
     render_k: np.ndarray  # top logprobs of its rendered entries (logprob_json.py); -1: none
     asks: np.ndarray  # 1: either, so it has rows
-    num_asking: int
 
     @classmethod
     def of(cls, tokens: np.ndarray, drafts: np.ndarray, render_k: np.ndarray | None = None) -> RequestWants:
@@ -113,12 +113,7 @@ class RequestWants:
                   np.full(len(tokens), -1, np.int64) if render_k is None else render_k.astype(np.int64), asks]
         for field in fields:
             field.flags.writeable = False
-        return cls(*fields, int(asks.sum()))
-
-    def shape(self, drafts: np.ndarray, num_drafts: np.ndarray) -> LayoutShape:
-        """The sizes of the layout of a step with drafts [B, K] and num_drafts [B] int64."""
-        return LayoutShape(len(drafts), int(num_drafts @ self.asks) + self.num_asking, drafts.shape[1],
-                           int(num_drafts @ self.drafts))
+        return cls(*fields)
 
     def packed(self, shape: LayoutShape, drafts: np.ndarray, num_drafts: np.ndarray, first_row: np.ndarray,
                verdict_at: int = 0, out: np.ndarray | None = None) -> np.ndarray:
@@ -225,7 +220,7 @@ class LogprobLayout:
         row_fields = out[:3 * rows].reshape(3, rows)  # row_target, row_seq, row_pos
         row_fields[0, :live_rows], row_fields[1, :live_rows], row_fields[2, :live_rows] = \
             self.row_target, self.row_seq, self.row_pos
-        row_fields[:2, live_rows:], row_fields[2, live_rows:] = 0, PAD_POSITION
+        row_fields[0, live_rows:], row_fields[1, live_rows:], row_fields[2, live_rows:] = PAD_ROW, 0, PAD_POSITION
         at = _request_fields(shape).draft_offset
         out[at:at + live_b + 1], out[at + live_b + 1:at + b + 1] = self.draft_offset, self.draft_offset[-1]
         return out

@@ -151,7 +151,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     wants = _wants(wanted)
     k = wanted.max_top_logprobs
     renderer = renderer if any(wants.rendered) else None
-    graph = graphs.find_verifying(wants.fields.shape(inp.draft_token_ids, inp.num_drafts), k, renderer) \
+    graph = graphs.find_verifying(len(inp.num_drafts), inp.draft_token_ids.shape[1], k, renderer) \
         if graphs is not None and static_rows is not None else None
     slot = graph.free_slot() if graph is not None else None
     overlap = side is not None and slot is None
