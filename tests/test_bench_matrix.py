@@ -42,6 +42,7 @@ def test_the_change_against_the_first_bench_is_the_median_of_the_rounds_ratios()
     none, lp = bm.table(rows, ["a"], ["none", "lp"])
     assert none["change"] is None
     assert lp["change"] == pytest.approx(104 / 110 - 1)  # the middle of the ratios 0.9, 0.95, 0.945
+    assert lp["change_spread"] == pytest.approx((-0.1, -0.05))  # their quartiles (exclusive method)
     assert lp["median"] / none["median"] - 1 == pytest.approx(-0.1)
 
 
@@ -82,7 +83,8 @@ def test_rounds_run_the_servers_side_by_side(tmp_path: Path, capsys: pytest.Capt
     assert len(list(out.glob("two-*.json"))) == 6
     lines = capsys.readouterr().out.splitlines()  # bench_serve.py's reports, then the table
     lines = lines[max(i for i, line in enumerate(lines) if line.startswith("server")):]
-    assert lines[0].split()[-5:] == ["runs", "median", "lowest", "highest", "change"]
+    assert lines[0].split()[-6:] == ["runs", "median", "lowest", "highest", "change", "quartiles"]
     assert [line.split()[:2] for line in lines[1:]] == [["one", "c1"], ["one", "c1lp"], ["two", "c1"], ["two", "c1lp"]]
-    assert all(line.split()[-5] == "2.00" for line in lines[1:])  # the warm round left out
+    runs = lines[0].split().index("runs")
+    assert all(line.split()[runs] == "2.00" for line in lines[1:])  # the warm round left out
     assert [line.split()[-1] == "-" for line in lines[1:]] == [True, False, True, False]

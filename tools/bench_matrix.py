@@ -13,7 +13,8 @@ server, the servers' order turning by one each round: a machine whose speed drif
 server its share of GPU memory (`--kv-cache-memory`); the benchmarks' order turns too. The table has
 each column's mean over the rounds, the output throughput's median, lowest and highest, and its
 change against the first benchmark on the same server: the median over the rounds of each round's
-ratio (the two ran back to back, so the drift of the machine weighs less than on the medians).
+ratio (the two ran back to back, so the drift of the machine weighs less than on the medians),
+with the ratios' quartiles.
 `--warm-rounds` runs rounds first that the table leaves out (CUDA graphs captured, caches filled).
 
 To measure what a request option costs, give it as a second benchmark:
@@ -41,7 +42,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from statistics import mean, median
+from statistics import mean, median, quantiles
 
 import bench_serve
 
@@ -119,7 +120,7 @@ def table(rows: list[dict], servers: list[str], benches: list[str]) -> list[dict
     """Rows of one (server, bench, round, summary) per run -> one per (server, bench), in the order
     given: each column's mean over the runs that report it, the runs, the throughput's median and
     range, and its change against the first bench's on the same server (the median of the rounds'
-    ratios, minus 1; None for the first bench)."""
+    ratios, minus 1, and their quartiles, `change_spread`; None for the first bench)."""
     first_bench = benches[0]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in sorted(rows, key=lambda row: (servers.index(row["server"]), benches.index(row["bench"]))):
@@ -130,9 +131,12 @@ def table(rows: list[dict], servers: list[str], benches: list[str]) -> list[dict
         throughput = [r["output_throughput"] for r in runs]
         base = {r["round"]: r["output_throughput"] for r in groups.get((server, first_bench), [])}
         ratios = [r["output_throughput"] / base[r["round"]] for r in runs if base.get(r["round"])]
-        change = median(ratios) - 1 if bench != first_bench and ratios else None
+        changed = bench != first_bench and ratios
+        quartiles = (quantiles(ratios, n=4)[::2] if len(ratios) > 1 else ratios * 2) if changed else ()
         out.append({"server": server, "bench": bench, "runs": len(runs), **means, "median": median(throughput),
-                    "lowest": min(throughput), "highest": max(throughput), "change": change})
+                    "lowest": min(throughput), "highest": max(throughput),
+                    "change": median(ratios) - 1 if changed else None,
+                    "change_spread": tuple(q - 1 for q in quartiles) if changed else None})
     return out
 
 
@@ -169,11 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             for r, bench, label in run_order(list(urls), list(benches), args.warm_rounds + args.rounds):
                 run(urls[label], label, bench, r)
     extra = ("runs", "median", "lowest", "highest") if args.rounds > 1 else ()
-    print(f"{'server':<12}{'bench':<12}" + "".join(f"{c:>24}" for c in COLUMNS + extra) + f"{'change':>10}")
+    print(f"{'server':<12}{'bench':<12}" + "".join(f"{c:>24}" for c in COLUMNS + extra) + f"{'change':>10}"
+          + f"{'quartiles':>18}")
     for row in table(rows, [label for label, _ in args.server], list(benches)):
         cells = ["-" if row[c] is None else f"{row[c]:.2f}" for c in COLUMNS + extra]
-        change = "-" if row["change"] is None else f"{row['change']:+.1%}"
-        print(f"{row['server']:<12}{row['bench']:<12}" + "".join(f"{c:>24}" for c in cells) + f"{change:>10}")
+        change, spread = ("-", "-") if row["change"] is None else (
+            f"{row['change']:+.1%}", "{:+.1%} {:+.1%}".format(*row["change_spread"]))
+        print(f"{row['server']:<12}{row['bench']:<12}" + "".join(f"{c:>24}" for c in cells) + f"{change:>10}"
+              + f"{spread:>18}")
     return 0
 
 
