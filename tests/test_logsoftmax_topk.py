@@ -58,3 +58,24 @@ def test_all_rows_by_default() -> None:
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
     np.testing.assert_array_equal(got[2], want[2])
     np.testing.assert_allclose(got[3], want[3], atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [5, 20])  # both kernels
+def test_negative_rows_are_skipped_and_their_outputs_left_as_they_are(k: int) -> None:
+    """A logprob layout's padding rows (row_target PAD_ROW) read no logits."""
+    import cupy
+
+    from cupyspec.sampling.logprobs import launch_top_logprobs
+
+    logits = (np.random.default_rng(6).standard_normal((5, 3000)) * 4).astype(np.float32)
+    rows = np.array([3, -1, 0, -1])
+    want = top_logprobs_on_device(np, logits, k, rows[rows >= 0])
+    outputs = [cupy.full(4, 7, cupy.float32), cupy.full(4, 7, cupy.float64), cupy.full((4, k), 7, cupy.int64),
+               cupy.full((4, k), 7, cupy.float32)]  # peak, log_total, top ids, top logprobs
+    launch_top_logprobs(cupy.asarray(logits), cupy.asarray(rows), len(rows), k, *outputs)
+    got = [a.get() for a in outputs]
+    assert all(np.all(g[rows < 0] == 7) for g in got)  # untouched
+    np.testing.assert_array_equal(got[0][rows >= 0], want[0])
+    np.testing.assert_allclose(got[1][rows >= 0], want[1], rtol=1e-6)
+    np.testing.assert_array_equal(got[2][rows >= 0], want[2])
+    np.testing.assert_allclose(got[3][rows >= 0], want[3], atol=1e-5)
