@@ -39,7 +39,7 @@ from cupyspec.sampling.logprob_json import LogprobRenderer
 from cupyspec.sampling.logprobs import KERNEL_MAX_K, DeviceRows, launch_top_logprobs
 from cupyspec.spec.accept_gather import RowLogprobs, gather_size, launch_gather
 from cupyspec.spec.logprob_layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
-from cupyspec.transfer import HostTransfer, to_device
+from cupyspec.transfer import HostTransfer
 
 log = logging.getLogger("cupyspec")
 

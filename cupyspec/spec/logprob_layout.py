@@ -10,10 +10,11 @@ the drafts travel as one int64 array, `UploadedLayout.packed`:
 
 where first_row[b] is the row of the logits that scores request b's first draft. A CUDA graph's
 layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past a step's read no
-logits and score nothing (row_target PAD_ROW, row_pos PAD_POSITION), requests past its own ask nothing. The host then writes only the
-requests' fields (`RequestWants.packed`), and cuda/logprob_layout.cu expands them into the rows
-and draft offsets on the device (`expand_on_device`; its twin: `LogprobLayout.build`): at 64
-requests building the rows took the H100's host some 55 µs a step.
+logits and score nothing (row_target PAD_ROW, row_pos PAD_POSITION), requests past its own ask
+nothing. The host then writes only the requests' fields (`RequestWants.packed`), and
+cuda/logprob_layout.cu expands them into the rows and draft offsets on the device
+(`expand_on_device`; its twin: `LogprobLayout.build`): at 64 requests building the rows took the
+H100's host some 55 µs a step.
 """
 
 from __future__ import annotations
