@@ -7,8 +7,8 @@ step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_g
 the rows of a step that also runs prompts are too) the work of one step shape is captured once,
 with the copy of its results into pinned memory of its own:
 
-- a verifying step's (shape: its requests B, padded, the most drafts K a request verifies, and
-  the top logprobs; the layout holds B * (K + 1) rows and B * K draft slots, `LayoutShape`) writes
+- a verifying step's (shape: its requests B, padded, and the top logprobs; the layout holds
+  B * (K + 1) rows and B * K draft slots, K the most drafts a request may verify, `LayoutShape`) writes
   its requests' fields, with the address of its verdict, into pinned memory of the graph's and
   launches the graph, which uploads them, expands them into the layout
   (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream
@@ -221,21 +221,23 @@ def _carve(buffer: Any, fields: Fields) -> list[Any]:
 class LogprobGraphs:
     """The captured graphs of each step shape, over one static logits buffer."""
 
-    def __init__(self, xp: Any, static_logits: Any) -> None:
-        """static_logits [rows, V] f32: the buffer the forward pass's graphs write their logits to."""
-        self._xp, self._logits = xp, static_logits
+    def __init__(self, xp: Any, static_logits: Any, max_drafts: int) -> None:
+        """static_logits [rows, V] f32: the buffer the forward pass's graphs write their logits to;
+        max_drafts: the most drafts a request may verify (the server's num_speculative_tokens)."""
+        self._xp, self._logits, self._max_drafts = xp, static_logits, max_drafts
         self._graphs: dict[tuple, VerifyingStepGraph | PlainStepGraph] = {}
 
     def find_verifying(self, num_seqs: int, max_drafts: int, k: int,
                        renderer: LogprobRenderer | None) -> VerifyingStepGraph | None:
         """The graph of verifying steps of num_seqs requests (padded, `padded`) with up to max_drafts
         drafts each over the static logits, made on first use; None when the step is not one to
-        replay. Its layout holds every row and draft slot such a step can have, so that the host
-        counts neither."""
-        if k > KERNEL_MAX_K:
+        replay. Its layout holds every row and draft slot that a step of as many requests may have
+        (the drafts of each up to the most a request may verify), so that the host counts neither
+        and steps differ in shape by their requests only."""
+        if k > KERNEL_MAX_K or max_drafts > self._max_drafts:
             return None
-        b = padded(num_seqs)
-        shape = LayoutShape(b, b * (max_drafts + 1), max_drafts, b * max_drafts)
+        b, drafts = padded(num_seqs), self._max_drafts
+        shape = LayoutShape(b, b * (drafts + 1), drafts, b * drafts)
         return self._cached(("verifying", shape, k, renderer is not None),
                             lambda: VerifyingStepGraph(self._xp, self._logits, shape, k, renderer))
 

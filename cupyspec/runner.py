@@ -186,8 +186,9 @@ class ModelRunner:
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
                        if cuda and cuda_graph_max_tokens else None)
-        # a one-request step's logprob work, replayed over the graphs' logits
-        self.logprob_graphs = LogprobGraphs(xp, self.graphs.logits) if self.graphs is not None else None
+        # the logprob work of steps, replayed over the graphs' logits
+        self.logprob_graphs = (LogprobGraphs(xp, self.graphs.logits, speculative.num_speculative_tokens)
+                               if self.graphs is not None else None)
 
     @functools.cached_property
     def renderer(self) -> LogprobRenderer:

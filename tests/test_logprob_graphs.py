@@ -50,7 +50,7 @@ def device():  # noqa: ANN201
     static = cupy.empty((16 * (MAX_DRAFTS + 1), VOCAB), cupy.float32)  # the forward graphs' logits
     renderer = LogprobRenderer(cupy, VocabJSON.build(TokenText(NumberTokenizer()), VOCAB))
     with cupy.cuda.Stream(non_blocking=True):  # capture needs a stream of its own
-        yield cupy, static, LogprobGraphs(cupy, static), renderer
+        yield cupy, static, LogprobGraphs(cupy, static, MAX_DRAFTS), renderer
 
 
 @pytest.mark.gpu
@@ -137,13 +137,14 @@ def test_steps_padded_alike_share_a_graph(device) -> None:  # noqa: ANN001
     cupy, static, graphs, renderer = device
     rng = np.random.default_rng(6)
     found = []
-    for num_drafts in ([3] * 5, [3, 2] * 3, [3] * 9, [2] * 5):  # 5 and 6 requests padded to 8, with 3 drafts
+    for num_drafts in ([3] * 5, [3, 2] * 3, [2] * 5, [3] * 9):  # 5 and 6 requests padded to 8, any drafts
         _, inp, wanted = many_request_step(rng, np.array(num_drafts))
         found.append(graphs.find_verifying(len(num_drafts), inp.draft_token_ids.shape[1], 5, renderer))
-    assert found[0] is found[1] and found[0].on_device.shape == (8, 8 * 4, 3, 8 * 3)  # every row and slot
-    assert found[2].on_device.num_seqs == 16 and found[3].on_device.max_drafts == 2
-    assert len({id(graph) for graph in found}) == 3
+    assert found[0] is found[1] is found[2]
+    assert found[0].on_device.shape == (8, 8 * (MAX_DRAFTS + 1), MAX_DRAFTS, 8 * MAX_DRAFTS)  # every row and slot
+    assert found[3] is not found[0] and found[3].on_device.num_seqs == 16
     assert graphs.find_verifying(2, 2, 21, None) is None  # more top logprobs than the kernel gives
+    assert graphs.find_verifying(2, MAX_DRAFTS + 1, 5, None) is None  # more drafts than a request may verify
 
 
 @pytest.mark.gpu
