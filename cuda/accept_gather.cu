@@ -30,8 +30,9 @@ extern "C" __global__ void accept_gather_logprobs(
 {
     // ---- inputs: row_target [L], row_seq [L], row_pos [L], wants_tokens [B], draft_offset [B+1],
     // drafts [B, K], num_drafts [B] (then render_k [B], for cuda/logprob_json.cu, wants_drafts [B] and
-    // first_row [B], for cuda/logprob_layout.cu, the verdict's address and its B' <= B). A CUDA graph's layout is padded: its rows past the step's
-    // have a row_pos past every draft, its requests past B' ask nothing and have no verdict.
+    // first_row [B], for cuda/logprob_layout.cu, the verdict's address and its B' <= B). A CUDA graph's
+    // layout is padded: its rows past the step's have row_target PAD_ROW (-1) and a row_pos past every
+    // draft, its requests past B' ask nothing and have no verdict.
     const long long* row_target = layout;
     const long long* row_seq = row_target + num_rows;
     const long long* row_pos = row_seq + num_rows;
@@ -94,6 +95,7 @@ extern "C" __global__ void accept_gather_logprobs(
 
     // ---- 2. gather ----
     for (int r = t; r < num_rows; r += threads) {
+        if (row_target[r] < 0) continue;  // a padding row: no logits, nothing to score
         const long long b = row_seq[r], j = row_pos[r];
         const float* x = logits + row_target[r] * vocab;
         const long long accepted = num_accepted(b);

@@ -194,9 +194,8 @@ class LogprobLayout:
         ends = np.cumsum(sizes)  # [B']
         row_seq = np.repeat(with_rows, sizes).astype(np.int64, copy=False)  # [L]
         row_pos = np.arange(ends[-1] if len(ends) else 0, dtype=np.int64) - np.repeat(ends - sizes, sizes)  # [L]
-        draft_offset = np.zeros(len(num_drafts) + 1, np.int64)  # [B+1]
-        np.cumsum(num_drafts * wants.drafts, out=draft_offset[1:])
-        return cls(first_row[row_seq] + row_pos, row_seq, row_pos, draft_offset, first_row, wants)
+        return cls(first_row[row_seq] + row_pos, row_seq, row_pos, draft_offsets(num_drafts, wants.drafts), first_row,
+                   wants)
 
     @property
     def num_rows(self) -> int:
@@ -225,6 +224,14 @@ class LogprobLayout:
         at = _request_fields(shape).draft_offset
         out[at:at + live_b + 1], out[at + live_b + 1:at + b + 1] = self.draft_offset, self.draft_offset[-1]
         return out
+
+
+def draft_offsets(num_drafts: np.ndarray, wants_drafts: np.ndarray) -> np.ndarray:
+    """[B+1] int64: where each request's drafts start among the draft slots, then their end; only
+    requests that asked for draft logprobs (wants_drafts [B]) take slots (num_drafts [B])."""
+    offsets = np.zeros(len(num_drafts) + 1, np.int64)
+    np.cumsum(num_drafts * wants_drafts, out=offsets[1:])
+    return offsets
 
 
 def expand_on_device(xp: Any, layout: UploadedLayout) -> None:

@@ -27,7 +27,7 @@ from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
 from cupyspec.spec.accept_gather import (GatheredLogprobs, RowLogprobs, accept_and_gather, emitted_rows,
                                          gathered_on_host, rendered_on_host)
-from cupyspec.spec.logprob_layout import LogprobLayout, RequestWants
+from cupyspec.spec.logprob_layout import LogprobLayout, RequestWants, draft_offsets
 from cupyspec.spec.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
@@ -274,7 +274,7 @@ def _draft_logprobs(host: GatheredLogprobs, wants_fields: np.ndarray, inp: Verif
     if not any(wants):
         return (None,) * len(wants)
     num_drafts, num_accepted = inp.num_drafts.tolist(), host.runs[0].tolist()
-    offsets = [0, *np.cumsum(inp.num_drafts * wants_fields).tolist()]  # LogprobLayout.draft_offset
+    offsets = draft_offsets(inp.num_drafts, wants_fields).tolist()
     lps, top_ids, top_lps = host.draft_lps.tolist(), host.draft_top_ids.tolist(), host.draft_top_lps.tolist()
     out: list[tuple[DraftLogprob, ...] | None] = []
     for b, want in enumerate(wants):
