@@ -1,4 +1,4 @@
-// Fused accept-and-gather of logprobs under speculation; twin: cupyspec/spec/accept_gather.py.
+// Fused accept-and-gather of logprobs under speculation; twin: cupyspec/logprobs/accept_gather.py.
 //
 // After verification, request b emits num_accepted[b] drafts and then one more token: the tokens
 // at its logprob rows j = 0..num_accepted[b]. One block of threads

@@ -1,5 +1,5 @@
 // Each request's run of accepted drafts; twins: accept_runs and greedy_runs in
-// cupyspec/spec/accept_runs.py.
+// cupyspec/spec_decode/verification/accept_runs.py.
 //
 // Request b owns target rows first_row[b] .. first_row[b+1] - 1: one per draft, then its bonus
 // row. It keeps its drafts up to the first whose row did not pass its test and emits the token of

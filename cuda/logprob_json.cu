@@ -1,5 +1,5 @@
 // Logprobs as chat JSON entries (cuda/logprob_json.cuh), by a grid of blocks that share the
-// writing; twin: cupyspec/sampling/logprob_json.py.
+// writing; twin: cupyspec/logprobs/logprob_json.py.
 
 #include "logprob_json.cuh"
 

@@ -1,5 +1,5 @@
 // Logprobs as OpenAI chat `logprobs.content` JSON entries, written by blocks of threads; twin:
-// cupyspec/sampling/logprob_json.py. Used by cuda/logprob_json.cu, for a plain step's rows and for
+// cupyspec/logprobs/logprob_json.py. Used by cuda/logprob_json.cu, for a plain step's rows and for
 // a verified step's emitted tokens once cuda/accept_gather.cu has gathered them.
 //
 // Row r (an emitted token) of request b becomes, with the request's first k[b] alternatives,

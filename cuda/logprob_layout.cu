@@ -1,5 +1,5 @@
 // A verifying step's logprob layout expanded from its requests' fields, on the device; twin:
-// LogprobLayout.build and .packed in cupyspec/spec/logprob_layout.py.
+// LogprobLayout.build and .packed in cupyspec/logprobs/layout.py.
 //
 // The host has written each request's wants, drafts, num_drafts and first_row (the logits row of its
 // first draft) into the packed layout of a CUDA graph's shape (B requests and L rows, at least the

@@ -1,4 +1,4 @@
-// Row log-softmax normalizers and top-k; twin: top_logprobs_on_device in cupyspec/sampling/logprobs.py.
+// Row log-softmax normalizers and top-k; twin: top_logprobs_on_device in cupyspec/logprobs/logsoftmax_topk.py.
 //
 // One block per selected row r of logits [R, V] (rows[r] picks it; row r itself when rows is null; a
 // negative rows[r] picks none, and row r's outputs are left as they are: a padding row). Outputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
-from cupyspec.sampling.logprob_json import LogprobsJSON
-from cupyspec.spec.stats import SpecStats
+from cupyspec.logprobs.logprob_json import LogprobsJSON
+from cupyspec.spec_decode.stats import SpecStats
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from cupyspec.server.completions import handle_completions
 from cupyspec.server.context import CONTEXT, ServerContext, json_response
 from cupyspec.server.errors import error_middleware
 from cupyspec.server.protocol import ModelCard, ModelList
-from cupyspec.token_text import TokenText
+from cupyspec.text.token_text import TokenText
 
 if TYPE_CHECKING:
     from cupyspec.engine import AsyncEngine

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from cupyspec.outputs import CompletionDelta
 from cupyspec.server.context import ServerContext, decode_body, json_response
-from cupyspec.sampling.logprob_json import LogprobsJSON
+from cupyspec.logprobs.logprob_json import LogprobsJSON
 from cupyspec.server.logprobs import chat_draft_logprobs
 from cupyspec.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatDraftLogprobs,

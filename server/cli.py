@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 log = logging.getLogger("cupyspec.server")
 
@@ -96,7 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def serve(config: EngineConfig, host: str, port: int, shutdown_timeout: float) -> None:
     """Run until SIGINT or SIGTERM; then stop accepting, let the engine finish or abort its requests."""
     from cupyspec.engine import AsyncEngine
-    from cupyspec.gc_policy import settle_garbage_collector
+    from cupyspec.engine.gc_policy import settle_garbage_collector
     from cupyspec.server.app import create_app, start_server
 
     engine = await AsyncEngine.create(config)

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 from cupyspec.server.errors import APIError
-from cupyspec.token_text import TokenText
+from cupyspec.text.token_text import TokenText
 
 if TYPE_CHECKING:
     from cupyspec.engine import AsyncEngine

@@ -1,6 +1,6 @@
 """Logprobs from the engine's records: legacy completions lists, for emitted tokens and for
 proposed drafts, and chat `content` entries of proposed drafts (the chat entries of emitted tokens
-come rendered by the engine: cupyspec/sampling/logprob_json.py)."""
+come rendered by the engine: cupyspec/logprobs/logprob_json.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.sampling.logprob_json import MIN_LOGPROB
+from cupyspec.logprobs.logprob_json import MIN_LOGPROB
 from cupyspec.server.protocol import (ChatDraftTokenLogprob, CompletionDraftLogprobs,
                                       CompletionLogprobs, TopLogprob)
-from cupyspec.token_text import TokenText
+from cupyspec.text.token_text import TokenText
 
 L = TypeVar("L", bound=CompletionLogprobs)
 

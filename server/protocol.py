@@ -170,7 +170,7 @@ class ChatTokenLogprob(msgspec.Struct, gc=False):
 
 
 class ChatLogprobs(msgspec.Struct):
-    content: msgspec.Raw  # [ChatTokenLogprob, ...], rendered by the engine (cupyspec/sampling/logprob_json.py)
+    content: msgspec.Raw  # [ChatTokenLogprob, ...], rendered by the engine (cupyspec/logprobs/logprob_json.py)
 
 
 class ChatDraftTokenLogprob(ChatTokenLogprob):

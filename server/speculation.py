@@ -11,7 +11,7 @@ from itertools import zip_longest
 
 from cupyspec.outputs import RequestOutput, SpeculateMetrics
 from cupyspec.server.protocol import SamplingFields, SpeculateMetricsInfo
-from cupyspec.speculative_config import RequestSpeculation
+from cupyspec.spec_decode.speculative_config import RequestSpeculation
 
 
 def request_speculation(req: SamplingFields) -> RequestSpeculation | None:

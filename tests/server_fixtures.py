@@ -22,7 +22,7 @@ from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine, EngineStats
 from cupyspec.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, MODEL_ENV_VAR, cache_dir
 from cupyspec.outputs import TokenLogprob
-from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
+from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON
 from cupyspec.server.app import create_app, start_server
 
 T = TypeVar("T")

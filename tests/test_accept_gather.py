@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.spec.accept_gather import GatheredLogprobs, RowLogprobs, accept_and_gather, gathered_on_host
-from cupyspec.spec.logprob_layout import LayoutShape, LogprobLayout, RequestWants, UploadedLayout
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
-from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, launch_verify, verify_with_logprobs
-from cupyspec.token_text import TokenText
+from cupyspec.logprobs.accept_gather import GatheredLogprobs, RowLogprobs, accept_and_gather, gathered_on_host
+from cupyspec.logprobs.layout import LayoutShape, LogprobLayout, RequestWants, UploadedLayout
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests, LogprobStream, launch_verify, verify_with_logprobs
+from cupyspec.text.token_text import TokenText
 from cupyspec.transfer import fetch_arrays, to_device
 
 
@@ -154,7 +154,7 @@ def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted
 
 
 def test_a_steps_logprobs_are_read_once() -> None:
-    """A graph's host copy is launched again once its step's logprobs are read (cupyspec/logprob_graphs.py):
+    """A graph's host copy is launched again once its step's logprobs are read (cupyspec/logprobs/graphs.py):
     a second read must not read that copy again."""
     rng = np.random.default_rng(4)
     inp = VerifyInput(np.array([[3, 7]]), np.array([2]), None, (SamplingRow(SamplingParams(temperature=0.0), 0.0),) * 3,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyspec.spec.accept_runs import accept_runs, greedy_runs
+from cupyspec.spec_decode.verification.accept_runs import accept_runs, greedy_runs
 
 
 def make_case(rng: np.random.Generator, batch: int, max_drafts: int) -> dict[str, np.ndarray]:

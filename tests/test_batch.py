@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.batch import flat_batch
+from cupyspec.model.batch import flat_batch
 
 BLOCK_SIZE = 4
 

@@ -18,7 +18,7 @@ from tiny_models import tiny_model_paths
 from cupyspec import backend
 from cupyspec.engine import AsyncEngine
 from cupyspec.server.cli import build_parser, engine_config, main, parse_bytes
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 def test_parse_bytes() -> None:

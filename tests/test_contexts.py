@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.sequence import Sequence
-from cupyspec.spec.contexts import Contexts
-from cupyspec.spec.proposer import unseen_tokens
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.proposers.contexts import Contexts
+from cupyspec.spec_decode.proposers.base import unseen_tokens
 
 
 def test_contexts_follow_growth_placeholders_and_shorter_reads():

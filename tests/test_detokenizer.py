@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cupyspec.detokenizer import DetokenizedDelta, IncrementalDetokenizer
+from cupyspec.text.detokenizer import DetokenizedDelta, IncrementalDetokenizer
 from cupyspec.sampling.params import SamplingParams
 
 EOS = 0

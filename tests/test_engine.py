@@ -12,7 +12,7 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.errors import EngineOverloadedError, InvalidRequestError
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from tiny_models import tiny_model_paths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -139,7 +139,7 @@ def test_logprobs_are_the_models_log_softmax(tiny_gguf):
 
     engine, out = run(main())
     tokens = [20, 21, 22, 23] + out["tokens"][0]
-    from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
+    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
 
     model = engine.runner.model
     kv = KVCacheArrays(np, engine.model_config, 8, 4, np.float32)

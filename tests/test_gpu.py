@@ -114,7 +114,7 @@ def test_paged_attention_rows_are_batch_independent(shape):
 
 def test_cupy_logits_match_numpy_logits(default_model_path):
     from cupyspec.backend import select_backend
-    from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
+    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
     from cupyspec.loader import load_model
     from cupyspec.model.kv_arrays import KVCacheArrays
     from cupyspec.model.llama import LlamaModel

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.kv_cache import BlockManager
+from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.sequence import Sequence
+from cupyspec.scheduling.sequence import Sequence
 
 
 def make_seq(prompt: list[int], params: SamplingParams = SamplingParams()) -> Sequence:

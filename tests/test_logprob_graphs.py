@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
-from cupyspec.sampling.logprobs import logprobs_on_device
+from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, StepVerdict, launch_verify
-from cupyspec.token_text import TokenText
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests, StepVerdict, launch_verify
+from cupyspec.text.token_text import TokenText
 
 VOCAB, MAX_DRAFTS = 5000, 5
 RENDERED = LogprobRequests((5,), (False,), (True,))
@@ -45,7 +45,7 @@ def assert_same(got: StepVerdict, want: StepVerdict) -> None:
 def device():  # noqa: ANN201
     import cupy
 
-    from cupyspec.logprob_graphs import LogprobGraphs
+    from cupyspec.logprobs.graphs import LogprobGraphs
 
     static = cupy.empty((16 * (MAX_DRAFTS + 1), VOCAB), cupy.float32)  # the forward graphs' logits
     renderer = LogprobRenderer(cupy, VocabJSON.build(TokenText(NumberTokenizer()), VOCAB))
@@ -239,7 +239,7 @@ async def _one_stream(model_path: str, cuda_graphs: bool) -> list[tuple]:
     """Each request's tokens, logprob records, rendered entries and draft logprobs, one request at a time."""
     from cupyspec.config import CacheConfig, EngineConfig
     from cupyspec.engine import AsyncEngine
-    from cupyspec.speculative_config import SpeculativeConfig
+    from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=5, cost_aware_backoff=False)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON, format_logprob
-from cupyspec.token_text import TokenText
+from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON, format_logprob
+from cupyspec.text.token_text import TokenText
 
 
 class WordTokenizer:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.spec.logprob_layout import PAD_POSITION, PAD_ROW, LayoutShape, LogprobLayout, RequestWants, UploadedLayout
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
+from cupyspec.logprobs.layout import PAD_POSITION, PAD_ROW, LayoutShape, LogprobLayout, RequestWants, UploadedLayout
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID
 
 
 def random_step(rng: np.random.Generator, batch: int, max_drafts: int) -> tuple[np.ndarray, np.ndarray, RequestWants]:
@@ -69,7 +69,7 @@ def test_the_device_expands_the_requests_fields_as_the_host_does(batch: int, max
                                                                  extra: tuple[int, int, int, int]) -> None:
     import cupy
 
-    from cupyspec.spec.logprob_layout import expand_on_device
+    from cupyspec.logprobs.layout import expand_on_device
 
     drafts, num_drafts, wants = random_step(np.random.default_rng(batch + 1), batch, max_drafts)
     layout = layout_of(num_drafts, wants)

@@ -14,8 +14,8 @@ from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
-from cupyspec.token_text import TokenText
+from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
+from cupyspec.text.token_text import TokenText
 from tiny_models import tiny_model_paths
 
 TOP = 3
@@ -199,8 +199,8 @@ def test_a_steps_logprobs_go_to_the_sequences_that_sampled() -> None:
     """ModelRunner.add_logprobs: sequence 1 only ran its prompt, so its output keeps no logprobs."""
     from types import SimpleNamespace
 
-    from cupyspec.runner import LaunchedStep, ModelRunner, SeqStepOutput
-    from cupyspec.spec.verify_step import LogprobRequests, StepLogprobs
+    from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
+    from cupyspec.spec_decode.verification.verify_step import LogprobRequests, StepLogprobs
 
     records = [(TokenLogprob(7, -0.5, [7], [-0.5]),), (TokenLogprob(9, -0.1, [9], [-0.1]),)]
     logprobs = StepLogprobs(tuple(records), (None, None), ("drafts 0", "drafts 2"))

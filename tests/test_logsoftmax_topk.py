@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.sampling.logprobs import top_logprobs_on_device
+from cupyspec.logprobs.logsoftmax_topk import top_logprobs_on_device
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def test_kernel_matches_twin(num_rows: int, vocab: int, k: int, ties: bool) -> N
 def test_chosen_token_logprobs_match_twin(num_rows: int, k: int) -> None:
     import cupy
 
-    from cupyspec.sampling.logprobs import logprobs_on_device
+    from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
 
     rng = np.random.default_rng(num_rows + k)
     logits = (rng.standard_normal((num_rows, 49152)) * 4).astype(np.float32)
@@ -65,7 +65,7 @@ def test_negative_rows_are_skipped_and_their_outputs_left_as_they_are(k: int) ->
     """A logprob layout's padding rows (row_target PAD_ROW) read no logits."""
     import cupy
 
-    from cupyspec.sampling.logprobs import launch_top_logprobs
+    from cupyspec.logprobs.logsoftmax_topk import launch_top_logprobs
 
     logits = (np.random.default_rng(6).standard_normal((5, 3000)) * 4).astype(np.float32)
     rows = np.array([3, -1, 0, -1])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cupyspec.backend import select_backend
-from cupyspec.batch import DeviceBatch, Segment, build_flat_batch
+from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.loader import load_model
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel

@@ -12,8 +12,8 @@ import pytest
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.spec.step_cost import StepCost
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.backoff.step_cost import StepCost
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from test_engine import collect, prompts
 from test_engine import make_engine as make_tiny_engine
 from tiny_models import tiny_model_paths
@@ -171,8 +171,8 @@ def test_the_engine_learns_step_costs_while_the_next_step_runs(tiny_gguf, monkey
     """Judging an observed step (which solves a cost fit now and then) waits until the next step is
     launched: it stays out of the host's gap between a drafting step and the next. Steps launch on
     the event loop, as on a GPU (worker.InlineSteps)."""
-    import cupyspec.engine as engine_module
-    from cupyspec.worker import InlineSteps
+    import cupyspec.engine.async_engine as engine_module
+    from cupyspec.engine.worker import InlineSteps
 
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
@@ -274,8 +274,8 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
     """On a GPU the loop launches steps itself and polls for their results (worker.InlineSteps);
     here the CPU engine is made to do the same. Plain and speculative steps, overlapped or not,
     give the outputs of plain decoding on the step thread, one step at a time."""
-    import cupyspec.engine as engine_module
-    from cupyspec.worker import InlineSteps
+    import cupyspec.engine.async_engine as engine_module
+    from cupyspec.engine.worker import InlineSteps
 
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_strategy="target_match")
 
@@ -297,8 +297,8 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
 def test_steps_on_the_event_loop_let_other_tasks_run_at_every_step(tiny_gguf, monkeypatch):
     """Even when every step's results are ready at once (a host-bound engine), the loop runs its other
     tasks between steps: a ticker advances about once a step while a request generates."""
-    import cupyspec.engine as engine_module
-    from cupyspec.worker import InlineSteps
+    import cupyspec.engine.async_engine as engine_module
+    from cupyspec.engine.worker import InlineSteps
 
     async def main():
         monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
@@ -323,7 +323,7 @@ def test_steps_on_the_event_loop_let_other_tasks_run_at_every_step(tiny_gguf, mo
 
 
 def test_inline_steps_poll_while_the_loop_runs_other_tasks():
-    from cupyspec.worker import InlineSteps
+    from cupyspec.engine.worker import InlineSteps
 
     async def main():
         steps, ticks = InlineSteps(), []
@@ -346,8 +346,8 @@ def test_a_stop_string_inside_an_accepted_run_cuts_it_after_the_next_step_was_fo
     step is formed and launched first; a stop string found afterwards inside the step's accepted run
     cuts the run there and ends the choice, and frees its KV blocks. Every draft is accepted here
     (long runs): each stop string ends the text where the unstopped text first has it."""
-    import cupyspec.engine as engine_module
-    from cupyspec.detokenizer import IncrementalDetokenizer
+    import cupyspec.engine.async_engine as engine_module
+    from cupyspec.text.detokenizer import IncrementalDetokenizer
 
     cuts = []  # (tokens of a step, of them before the stop), where a stop cut a step's run
 

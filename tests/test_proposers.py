@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from cupyspec.spec.chain import ChainProposer
-from cupyspec.spec.factory import make_proposer
-from cupyspec.spec.ngram import NgramProposer
-from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
-from cupyspec.spec.suffix import INSERT_CHUNK, SuffixProposer, SuffixTree
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.proposers.chain import ChainProposer
+from cupyspec.spec_decode.proposers.factory import make_proposer
+from cupyspec.spec_decode.proposers.ngram import NgramProposer
+from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
+from cupyspec.spec_decode.proposers.suffix import INSERT_CHUNK, SuffixProposer, SuffixTree
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 def ask(proposer: Proposer, ctx: Sequence[int], k: int = 5, seq_id: int = 0) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyspec.sampling.logprobs import logprobs_on_device, top_k_indices
+from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device, top_k_indices
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
 from cupyspec.sampling.sampler import SamplingRow, sample

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from cupyspec.config import SchedulerConfig
-from cupyspec.kv_cache import BlockManager
+from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.scheduler import Scheduler, SchedulerOutput
-from cupyspec.sequence import Sequence, SequenceStatus
+from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
+from cupyspec.scheduling.sequence import Sequence, SequenceStatus
 
 _clock = itertools.count()
 

@@ -20,14 +20,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from server_fixtures import LiveServer, render_records, tiny_config
 
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
-from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.server.app import create_app
 from cupyspec.server.logprobs import completion_draft_logprobs, merge_completion_logprobs, text_offsets
 from cupyspec.server.protocol import ChatCompletionRequest, CompletionDraftLogprobs, CompletionRequest
 from cupyspec.server.sampling import chat_params, completion_params
-from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
-from cupyspec.token_text import TokenText
+from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
+from cupyspec.text.token_text import TokenText
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]

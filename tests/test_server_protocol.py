@@ -15,13 +15,13 @@ from server_fixtures import render_records
 
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.outputs import CompletionDelta, RequestOutput, TokenLogprob
-from cupyspec.sampling.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.server.app import create_app
 from cupyspec.server.errors import APIError, to_api_error
 from cupyspec.server.logprobs import completion_logprobs
 from cupyspec.server.protocol import ChatCompletionRequest, CompletionRequest
 from cupyspec.server.sampling import chat_messages, chat_params, completion_params, completion_prompts
-from cupyspec.token_text import TokenText
+from cupyspec.text.token_text import TokenText
 
 
 def completion(**body: object) -> CompletionRequest:

@@ -15,7 +15,7 @@ from server_fixtures import LiveServer, tiny_config, tiny_server  # noqa: F401
 
 from cupyspec.outputs import RequestOutput, SpeculateMetrics
 from cupyspec.server.speculation import SpeculateMetricsSum
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 openai = pytest.importorskip("openai")  # a test extra; absent on bare GPU hosts
 

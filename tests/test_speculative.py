@@ -14,14 +14,14 @@ from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.errors import InvalidRequestError
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, MAX_BACKOFF, OVERHEAD_BUDGET_CAP,
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, MAX_BACKOFF, OVERHEAD_BUDGET_CAP,
                                    SAME_ROWS_STREAK_FACTOR, WARM_UP_PERIOD, Drafter)
-from cupyspec.spec.policy import best_drafts, draft_limits
-from cupyspec.spec.proposer import Drafts, Proposer
-from cupyspec.spec.step_cost import (MAX_OUTLIER_RUN, MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, REFIT_STEPS, StepCost,
+from cupyspec.spec_decode.backoff.policy import best_drafts, draft_limits
+from cupyspec.spec_decode.proposers.base import Drafts, Proposer
+from cupyspec.spec_decode.backoff.step_cost import (MAX_OUTLIER_RUN, MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, REFIT_STEPS, StepCost,
                                      StepCostModel, StepShape)
-from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
 from tiny_models import tiny_model_paths
 
 REPEAT = [7, 8, 9, 10, 11, 12] * 6  # a prompt the ngram proposer can draft from

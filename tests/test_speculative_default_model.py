@@ -11,7 +11,7 @@ from bench_datasets import DatasetSpec, load_prompts
 from cupyspec.config import EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.speculative_config import RequestSpeculation, SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
 from golden import GOLDEN_PROMPTS
 
 MAX_TOKENS = 48

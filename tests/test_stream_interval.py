@@ -18,7 +18,7 @@ from cupyspec.engine import AsyncEngine
 from cupyspec.outputs import CompletionDelta, RequestOutput, merge_deltas
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.server.cli import build_parser, engine_config, main
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 PROMPT = [5, 17, 42, 9, 88, 3]
 

@@ -11,7 +11,7 @@ import pytest
 
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, verify
 
 STRATEGIES = ("rejection", "greedy", "target_match", "topp")
 GREEDY = SamplingParams(temperature=0.0)

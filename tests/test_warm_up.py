@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-import cupyspec.warm_up as warm_up_module
+import cupyspec.engine.warm_up as warm_up_module
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from test_engine import collect, prompts
 from tiny_models import tiny_model_paths
 
@@ -62,7 +62,7 @@ def test_the_warm_up_ends_with_a_prompt_prefilled_in_one_step(tiny_gguf, monkeyp
         engine = await AsyncEngine.create(EngineConfig(model=tiny_gguf, device="cpu", warm_up=False))
         prepare = engine.runner.prepare
         engine.runner.prepare = lambda sched: rows.append(sched.num_tokens) or prepare(sched)
-        await warm_up_module.warm_up(engine)
+        await engine.warm_up()
         arrived = engine.metrics.requests_arrived.value()
         await engine.shutdown()
         return arrived

@@ -19,9 +19,9 @@ import numpy as np
 
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
-from cupyspec.gc_policy import settle_garbage_collector
+from cupyspec.engine.gc_policy import settle_garbage_collector
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 async def run_batch(engine: AsyncEngine, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:

@@ -122,7 +122,7 @@ def bench_logprobs() -> Iterator[Case]:
     import cupy
     import numpy as np
 
-    from cupyspec.sampling.logprobs import launch_top_logprobs
+    from cupyspec.logprobs.logsoftmax_topk import launch_top_logprobs
 
     vocab = 49152
     logits = cupy.random.default_rng(0).standard_normal((512, vocab), dtype=np.float32) * 3  # [R, V]

@@ -30,10 +30,10 @@ from bench_datasets import DATASETS, DEFAULT_CACHE, DatasetSpec, load_prompts
 
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
-from cupyspec.gc_policy import settle_garbage_collector
+from cupyspec.engine.gc_policy import settle_garbage_collector
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.spec.step_cost import LOAD_BANDS, StepCost, StepShape
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.backoff.step_cost import LOAD_BANDS, StepCost, StepShape
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 PHASES = {  # attribute path on the engine -> method names to time
     "drafter": ("plan", "propose", "after_step"),

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
+from cupyspec.model.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.attention import paged_attention_cuda
@@ -29,8 +29,8 @@ from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, r
 from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
-from cupyspec.spec.verify import VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.spec_decode.verification.verify import VerifyInput
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests, verify_with_logprobs
 
 
 def timed(xp: Any, fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:

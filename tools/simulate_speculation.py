@@ -13,7 +13,7 @@ follows a model of the captured graph on an H100 (`tools/profile_step.py`: 0.61 
 beyond; plus `--sample-ms` for sampling and the copy, plus `--verify-ms` for a step that verifies
 drafts). The step is waited for when collected, so a step that overlaps hides its host work
 behind the modeled device time as on the GPU. Steps are handed to the step thread, as on the CPU;
-on a GPU the event loop runs them itself (cupyspec/worker.py), so the simulated host pays two
+on a GPU the event loop runs them itself (cupyspec/engine/worker.py), so the simulated host pays two
 thread switches a step that the GPU engine does not.
 
 Reported per method and concurrency: output tokens per second, host CPU time per output token (the
@@ -36,11 +36,11 @@ from bench_datasets import HUMANEVAL, SHAREGPT, code_rewrite_prompt, humaneval_p
 
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
-from cupyspec.gc_policy import settle_garbage_collector
-from cupyspec.runner import SeqStepOutput, StepInputs
+from cupyspec.engine.gc_policy import settle_garbage_collector
+from cupyspec.engine.runner import SeqStepOutput, StepInputs
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.scheduler import SchedulerOutput
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.scheduling.scheduler import SchedulerOutput
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 GRAPH_ROWS = np.array([1, 8, 64, 256, 512])  # rows of a step
 GRAPH_MS = np.array([0.61, 0.635, 1.385, 2.20, 3.90])  # H100 device ms of the captured step (512: extrapolated)

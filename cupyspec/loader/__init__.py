@@ -10,7 +10,7 @@ from cupyspec.config import ModelConfig
 from cupyspec.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from cupyspec.loader.gguf_file import load_gguf
 from cupyspec.loader.hf_dir import load_hf_dir
-from cupyspec.loader.tokenizer import Tokenizer
+from cupyspec.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "Tokenizer", "expected_shapes", "load_model", "resolve_model"]
 

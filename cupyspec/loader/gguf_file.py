@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from cupyspec.config import ModelConfig
-from cupyspec.loader.tokenizer import Tokenizer
+from cupyspec.text.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32})

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from cupyspec.config import ModelConfig
-from cupyspec.loader.tokenizer import Tokenizer
+from cupyspec.text.tokenizer import Tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}

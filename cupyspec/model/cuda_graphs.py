@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.batch import DeviceBatch, FlatBatch
+from cupyspec.model.batch import DeviceBatch, FlatBatch
 from cupyspec.kernels import programmatic_launches
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import KERNEL_MAX_ROWS

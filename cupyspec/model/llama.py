@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from cupyspec.backend import Backend
-from cupyspec.batch import DeviceBatch
+from cupyspec.model.batch import DeviceBatch
 from cupyspec.config import ModelConfig
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.attention import paged_attention, paged_attention_cuda

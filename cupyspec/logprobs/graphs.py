@@ -11,7 +11,7 @@ with the copy of its results into pinned memory of its own:
   B * (K + 1) rows and B * K draft slots, K the most drafts a request may verify, `LayoutShape`) writes
   its requests' fields, with the address of its verdict, into pinned memory of the graph's and
   launches the graph, which uploads them, expands them into the layout
-  (cupyspec/spec/logprob_layout.py) and runs after verification on the step's stream
+  (cupyspec/logprobs/layout.py) and runs after verification on the step's stream
   (verification is not in it, so a side stream would have nothing to overlap). Rows past the
   step's read no logits and score nothing, requests past its own ask nothing, so that a few shapes
   serve every step;
@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.sampling.logprob_json import LogprobRenderer
-from cupyspec.sampling.logprobs import KERNEL_MAX_K, DeviceRows, launch_top_logprobs
-from cupyspec.spec.accept_gather import RowLogprobs, gather_size, launch_gather
-from cupyspec.spec.logprob_layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
+from cupyspec.logprobs.logprob_json import LogprobRenderer
+from cupyspec.logprobs.logsoftmax_topk import KERNEL_MAX_K, DeviceRows, launch_top_logprobs
+from cupyspec.logprobs.accept_gather import RowLogprobs, gather_size, launch_gather
+from cupyspec.logprobs.layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
 from cupyspec.transfer import HostTransfer
 
 log = logging.getLogger("cupyspec")

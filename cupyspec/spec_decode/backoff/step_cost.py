@@ -1,4 +1,4 @@
-"""What engine steps cost, learned online, for the back-off rule (`cupyspec/spec/policy.py`).
+"""What engine steps cost, learned online, for the back-off rule (`cupyspec/spec_decode/backoff/policy.py`).
 
 The engine reports each step's wall time since the step before (scheduling, forward pass, sampling
 or verification, output processing, waits for the device: everything the loop spends per step) with

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cupyspec.spec.proposer import DraftRequest, Drafts, Proposer
+from cupyspec.spec_decode.proposers.base import DraftRequest, Drafts, Proposer
 
 
 class ChainProposer(Proposer):

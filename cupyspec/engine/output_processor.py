@@ -8,15 +8,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cupyspec.detokenizer import IncrementalDetokenizer
+from cupyspec.text.detokenizer import IncrementalDetokenizer
 from cupyspec.metrics import EngineMetrics
 from cupyspec.outputs import (CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob,
                               merge_deltas)
-from cupyspec.runner import SeqStepOutput
-from cupyspec.sampling.logprob_json import LogprobsJSON
-from cupyspec.scheduler import Scheduler, SchedulerOutput
-from cupyspec.sequence import Sequence
-from cupyspec.spec.stats import SpecStats
+from cupyspec.engine.runner import SeqStepOutput
+from cupyspec.logprobs.logprob_json import LogprobsJSON
+from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.stats import SpecStats
 
 
 class OutputChannel:

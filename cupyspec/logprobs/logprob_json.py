@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from cupyspec.kernels import load_kernel
-from cupyspec.token_text import TokenText
+from cupyspec.text.token_text import TokenText
 from cupyspec.transfer import to_device
 
 MIN_LOGPROB = -9999.0  # a token the model rules out gets this floor, as vLLM reports it

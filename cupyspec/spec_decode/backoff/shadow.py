@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
-from cupyspec.sequence import Sequence
-from cupyspec.spec.contexts import Contexts
-from cupyspec.spec.proposer import DraftRequest, Proposer
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.proposers.contexts import Contexts
+from cupyspec.spec_decode.proposers.base import DraftRequest, Proposer
 
 PROBE_INTERVAL = 1  # a sequence's decode steps between its shadow probes
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer, unseen_tokens
+from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, Proposer, unseen_tokens
 
 
 class _Node:

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupyspec.kernels import load_kernel
-from cupyspec.sampling.logprobs import DeviceRows
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
+from cupyspec.logprobs.logsoftmax_topk import DeviceRows
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.transfer import to_device
 
 PAD_ROW = -1  # row_target of a padding row: no row of the logits (the top-k skips it)

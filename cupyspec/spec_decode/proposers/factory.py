@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from cupyspec.spec.ngram import NgramProposer
-from cupyspec.spec.proposer import NaiveProposer, Proposer
-from cupyspec.spec.suffix import SuffixProposer
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.proposers.ngram import NgramProposer
+from cupyspec.spec_decode.proposers.base import NaiveProposer, Proposer
+from cupyspec.spec_decode.proposers.suffix import SuffixProposer
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer | None:

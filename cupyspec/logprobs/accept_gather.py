@@ -4,7 +4,7 @@ The log-softmax of every candidate row (the normalizers and the top-k, `RowLogpr
 depend on which drafts are accepted, so it runs beside verification. Once the verdict is in, one
 kernel computes `cu_batch_token_offset`, each request's offset into the compact list of emitted
 tokens, and gathers the logprob and top-k of every emitted token and of every proposed draft.
-Only requests that asked for logprobs or draft logprobs have rows here (cupyspec/spec/logprob_layout.py).
+Only requests that asked for logprobs or draft logprobs have rows here (cupyspec/logprobs/layout.py).
 The host uploads the layout and the drafts in one copy and brings every result, the verdict included,
 back in one.
 """
@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from cupyspec.kernels import load_kernel
-from cupyspec.sampling.logprob_json import LogprobRenderer
-from cupyspec.sampling.logprobs import (KERNEL_MAX_K, NULL_POINTER, DeviceRows, launch_top_logprobs,
+from cupyspec.logprobs.logprob_json import LogprobRenderer
+from cupyspec.logprobs.logsoftmax_topk import (KERNEL_MAX_K, NULL_POINTER, DeviceRows, launch_top_logprobs,
                                         top_logprobs_on_device)
-from cupyspec.spec.logprob_layout import LayoutArrays, UploadedLayout
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID
+from cupyspec.logprobs.layout import LayoutArrays, UploadedLayout
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024
 RENDERED_FIELDS = ("token_ids", "token_lps", "token_top_ids", "token_top_lps")  # GatheredLogprobs' rows to render

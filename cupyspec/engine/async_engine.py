@@ -15,29 +15,29 @@ from jinja2 import TemplateError
 
 from cupyspec.backend import Backend, select_backend
 from cupyspec.config import EngineConfig
-from cupyspec.detokenizer import IncrementalDetokenizer
+from cupyspec.text.detokenizer import IncrementalDetokenizer
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
-from cupyspec.kv_cache import BlockManager
+from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.loader import LoadedModel, load_model
-from cupyspec.loader.tokenizer import Tokenizer
+from cupyspec.text.tokenizer import Tokenizer
 from cupyspec.metrics import EngineMetrics
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
-from cupyspec.output_processor import OutputProcessor, RequestState
+from cupyspec.engine.output_processor import OutputProcessor, RequestState
 from cupyspec.outputs import RequestOutput
-from cupyspec.runner import LaunchedStep, ModelRunner, SeqStepOutput
+from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
-from cupyspec.scheduler import Scheduler, SchedulerOutput
-from cupyspec.sequence import Sequence
-from cupyspec.spec.drafter import Drafter
-from cupyspec.spec.factory import make_proposer
-from cupyspec.spec.stats import SpecStats
-from cupyspec.spec.step_cost import StepShape
-from cupyspec.speculative_config import RequestSpeculation
-from cupyspec.warm_up import warm_up
-from cupyspec.worker import InlineSteps, StepThread
+from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.drafter import Drafter
+from cupyspec.spec_decode.proposers.factory import make_proposer
+from cupyspec.spec_decode.stats import SpecStats
+from cupyspec.spec_decode.backoff.step_cost import StepShape
+from cupyspec.spec_decode.speculative_config import RequestSpeculation
+from cupyspec.engine.warm_up import run_warm_up
+from cupyspec.engine.worker import InlineSteps, StepThread
 
 log = logging.getLogger("cupyspec")
 
@@ -138,10 +138,16 @@ class AsyncEngine:
         engine._loop_task = asyncio.create_task(engine._run_loop(), name="cupyspec-engine")
         if config.warm_up if config.warm_up is not None else backend.is_cuda:
             started = time.perf_counter()
-            await warm_up(engine)
+            await engine.warm_up()
             engine._forget_warm_up()
             log.info("warmed up in %.1f s", time.perf_counter() - started)
         return engine
+
+    async def warm_up(self) -> None:
+        """Run the warm-up requests (`cupyspec/engine/warm_up.py`) through every step path."""
+        room = min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+        await run_warm_up(self.generate, self.drafter, self.model_config.vocab_size, room,
+                          self.config.scheduler.max_num_batched_tokens)
 
     def _forget_warm_up(self) -> None:
         """Metrics, learned step costs and the probe schedule start afresh after the warm-up."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cupyspec.spec.proposer import NO_DRAFTS, DraftRequest, Drafts, Proposer, unseen_tokens
+from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, Proposer, unseen_tokens
 
 
 class _History:

@@ -1,10 +1,10 @@
 """A speculative step's verification together with its logprobs, in two host transfers.
 
 On the GPU the log-softmax of the candidate rows runs on a second CUDA stream while the main
-stream verifies; the fused accept-and-gather kernel joins them (cupyspec/spec/accept_gather.py).
+stream verifies; the fused accept-and-gather kernel joins them (cupyspec/logprobs/accept_gather.py).
 Without a side stream (the CPU, or overlap turned off) the same work runs in sequence, and so does
 a step over the forward graphs' logits, whose logprob work is replayed as a CUDA graph
-(cupyspec/logprob_graphs.py): there the graph's one launch costs the host less than the overlap's
+(cupyspec/logprobs/graphs.py): there the graph's one launch costs the host less than the overlap's
 calls would.
 `launch_verify` queues all of it and the transfers, without waiting: first the verdict's, which
 the engine needs to form the next step, then the logprobs', which it needs only to deliver this
@@ -22,13 +22,13 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from cupyspec.logprob_graphs import LogprobGraphs
+from cupyspec.logprobs.graphs import LogprobGraphs
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON
-from cupyspec.spec.accept_gather import (GatheredLogprobs, RowLogprobs, accept_and_gather, emitted_rows,
+from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON
+from cupyspec.logprobs.accept_gather import (GatheredLogprobs, RowLogprobs, accept_and_gather, emitted_rows,
                                          gathered_on_host, rendered_on_host)
-from cupyspec.spec.logprob_layout import LogprobLayout, RequestWants, draft_offsets
-from cupyspec.spec.verify import VerifyInput, verify_on_device
+from cupyspec.logprobs.layout import LogprobLayout, RequestWants, draft_offsets
+from cupyspec.spec_decode.verification.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
 T = TypeVar("T", bound=tuple)
@@ -141,7 +141,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     side: the CUDA stream for the log-softmax, overlapping verification; None runs in sequence.
     renderer: renders the entries of the requests `wanted.rendered` names.
     graphs: the logprob work as CUDA graphs over the forward graphs' static logits, in sequence
-    (cupyspec/logprob_graphs.py), for steps whose logits are there too: static_rows [B] int64 then
+    (cupyspec/logprobs/graphs.py), for steps whose logits are there too: static_rows [B] int64 then
     gives the row there of each request's first draft (logits may be a gather of the static rows:
     in a step that also runs prompts, only some rows pick tokens).
     """

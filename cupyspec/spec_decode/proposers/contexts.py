@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupyspec.sequence import Sequence
+from cupyspec.scheduling.sequence import Sequence
 
 
 class Contexts:

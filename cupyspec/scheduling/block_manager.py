@@ -8,7 +8,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 
-from cupyspec.sequence import Sequence
+from cupyspec.scheduling.sequence import Sequence
 
 
 def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:

@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.spec.stats import SpecStats
+from cupyspec.spec_decode.stats import SpecStats
 
 _seq_ids = itertools.count()
 

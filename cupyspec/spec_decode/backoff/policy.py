@@ -7,7 +7,7 @@
    recent hit rate h (the share of its proposer's answers that held any draft) discounts that: the
    expected kept drafts of k asked for are h * (a + a^2 + ... + a^k).
    Below `min_acceptance_rate` it stops drafting. A sequence that does not draft keeps both
-   estimates current through shadow probes (`cupyspec/spec/shadow.py`): now and then its proposer is
+   estimates current through shadow probes (`cupyspec/spec_decode/backoff/shadow.py`): now and then its proposer is
    asked for drafts that are not verified but scored, steps later, against the tokens emitted
    since, which costs the device nothing.
 3. Drafts cost time: the engine learns what a draft-free step costs, and what drafting adds to a
@@ -27,9 +27,9 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from cupyspec.sequence import Sequence
-from cupyspec.spec.step_cost import StepCost
-from cupyspec.speculative_config import SpeculativeConfig
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.backoff.step_cost import StepCost
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 DINKELBACH_ITERATIONS = 16
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cupyspec.config import SchedulerConfig
-from cupyspec.kv_cache import BlockManager
-from cupyspec.sequence import Sequence, SequenceStatus
+from cupyspec.scheduling.block_manager import BlockManager
+from cupyspec.scheduling.sequence import Sequence, SequenceStatus
 
 
 class ScheduledSeq(NamedTuple):

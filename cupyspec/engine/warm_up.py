@@ -15,18 +15,17 @@ the next ones at 100,000).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.spec.proposer import DraftRequest, Drafts, Proposer
+from cupyspec.spec_decode.drafter import Drafter
+from cupyspec.spec_decode.proposers.base import DraftRequest, Drafts, Proposer
 
-if TYPE_CHECKING:
-    from cupyspec.engine import AsyncEngine
+Generate = Callable[[list[int], SamplingParams, str], AsyncIterator]  # AsyncEngine.generate
 
 PROMPT_TOKENS = 48
 MAX_TOKENS = 6
@@ -51,30 +50,29 @@ class RepeatLastProposer(Proposer):
         return [Drafts(np.full(r.max_drafts, r.token_ids[-1], dtype=np.int32)) for r in requests]
 
 
-async def warm_up(engine: AsyncEngine) -> None:
-    """Run WARM_UP_REQUESTS together (through verification too, when the engine speculates), then
-    the first alone (overlap scheduling stops while a penalized request runs), then a long prompt
-    prefilled in one step, when the engine takes such steps."""
-    drafter = engine.drafter
+async def run_warm_up(generate: Generate, drafter: Drafter | None, vocab_size: int, room: int,
+                  max_num_batched_tokens: int) -> None:
+    """Run WARM_UP_REQUESTS together through `generate` (through verification too, when `drafter`
+    speculates), then the first alone (overlap scheduling stops while a penalized request runs), then a
+    long prompt prefilled in one step, when steps of max_num_batched_tokens take it. room: the tokens a
+    request may hold (the context length, or the KV pool's capacity if smaller)."""
     if drafter is not None:
         proposer, drafter.proposer = drafter.proposer, RepeatLastProposer()
-    vocab = engine.model_config.vocab_size
-    room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
     prompt_tokens = min(PROMPT_TOKENS, room // 2)
     max_tokens = min(MAX_TOKENS, room - prompt_tokens)
     requests = [replace(params, max_tokens=max_tokens) for params in WARM_UP_REQUESTS]
-    prompts = [[(7 + 13 * i + j) % vocab for j in range(prompt_tokens)] for i in range(len(requests))]
+    prompts = [[(7 + 13 * i + j) % vocab_size for j in range(prompt_tokens)] for i in range(len(requests))]
 
     async def finish(prompt: list[int], params: SamplingParams, request_id: str) -> None:
-        async for _ in engine.generate(prompt, params, request_id):
+        async for _ in generate(prompt, params, request_id):
             pass
 
     try:
         await asyncio.gather(*(finish(prompt, params, f"warm-up-{i}")
                                for i, (prompt, params) in enumerate(zip(prompts, requests))))
         await finish(prompts[0], requests[0], "warm-up-alone")
-        if engine.config.scheduler.max_num_batched_tokens >= LONG_PROMPT_TOKENS and room > LONG_PROMPT_TOKENS:
-            long_prompt = [(5 + 11 * j) % vocab for j in range(LONG_PROMPT_TOKENS)]
+        if max_num_batched_tokens >= LONG_PROMPT_TOKENS and room > LONG_PROMPT_TOKENS:
+            long_prompt = [(5 + 11 * j) % vocab_size for j in range(LONG_PROMPT_TOKENS)]
             await finish(long_prompt, replace(requests[0], max_tokens=1), "warm-up-long")
     finally:
         if drafter is not None:

@@ -22,23 +22,23 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupyspec.backend import Backend
-from cupyspec.batch import DeviceBatch, FlatBatch, flat_batch
-from cupyspec.logprob_graphs import LogprobGraphs
+from cupyspec.model.batch import DeviceBatch, FlatBatch, flat_batch
+from cupyspec.logprobs.graphs import LogprobGraphs
 from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.sampling.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
-from cupyspec.sampling.logprobs import logprobs_on_device
+from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
+from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplerOutput, SamplingRow, max_logprobs, sample_tokens_on_device
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
-from cupyspec.scheduler import SchedulerOutput
-from cupyspec.sequence import Sequence
-from cupyspec.speculative_config import SpeculativeConfig
-from cupyspec.spec.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
-from cupyspec.spec.verify_step import LogprobRequests, LogprobStream, PendingVerdict, StepVerdict, launch_verify
-from cupyspec.token_text import TokenBytes, TokenText
+from cupyspec.scheduling.scheduler import SchedulerOutput
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID, VerifyInput
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests, LogprobStream, PendingVerdict, StepVerdict, launch_verify
+from cupyspec.text.token_text import TokenBytes, TokenText
 from cupyspec.transfer import HostTransfer, to_device
 
 

@@ -1,0 +1,1 @@
+"""Continuous batching: sequences, the scheduler that picks each step's tokens, and the KV block accounting."""

@@ -1,1 +1,0 @@
-"""Speculative decoding: draft proposers, verification and acceptance bookkeeping."""

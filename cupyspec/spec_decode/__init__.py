@@ -1,0 +1,1 @@
+"""Speculative decoding: the speculative config, draft proposers, verification, and the back-off rule."""

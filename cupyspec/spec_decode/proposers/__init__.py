@@ -1,0 +1,1 @@
+"""Draft proposers behind one interface (`base.Proposer`): ngram, suffix, and chains of two."""
