@@ -13,7 +13,7 @@ from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.logprobs.accept_gather import GatheredLogprobs, RowLogprobs, accept_and_gather, gathered_on_host
 from cupyspec.logprobs.layout import LayoutShape, LogprobLayout, RequestWants, UploadedLayout
 from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
-from cupyspec.spec_decode.verification.verify_step import LogprobRequests, LogprobStream, launch_verify, verify_with_logprobs
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests, LogprobStream, launch_verify
 from cupyspec.text.token_text import TokenText
 from cupyspec.transfer import fetch_arrays, to_device
 
@@ -130,7 +130,7 @@ def test_a_padded_layout_gathers_what_the_step_asks(batch: int, max_drafts: int,
     assert_padding_asks_nothing(padded_gather(np, case, padding_of(case, extra)), gather(np, case))
 
 
-def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted() -> None:
+def test_verification_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted() -> None:
     rng = np.random.default_rng(3)
     vocab = 50
     drafts = [list(rng.integers(0, vocab, n)) for n in (0, 2, 4)]
@@ -142,8 +142,8 @@ def test_verify_with_logprobs_keeps_the_verdict_and_asks_only_for_what_is_wanted
     inp = VerifyInput(padded, num_drafts, None, rows, np.zeros(len(rows)))
     logits = rng.standard_normal((len(rows), vocab)).astype(np.float32)
     plain = verify(np, logits, inp, "rejection")
-    step = verify_with_logprobs(np, logits, inp, LogprobRequests((None, 2, None), (False, False, True)),
-                                "rejection", "normal")
+    step = launch_verify(np, logits, inp, LogprobRequests((None, 2, None), (False, False, True)),
+                         "rejection", "normal").result()
     verified = VerifyOutput.of(inp, np.array(step.num_accepted), np.array(step.emitted))
     np.testing.assert_array_equal(verified.output_token_ids, plain.output_token_ids)
     assert step.logprobs.tokens[0] is None and step.logprobs.tokens[2] is None
@@ -177,7 +177,7 @@ def test_each_request_gets_records_of_its_own_top_k() -> None:
     first_row = np.concatenate([[0], np.cumsum(num_drafts + 1)])
     padded[0, :2] = logits[:2].argmax(axis=1)  # request 0 keeps both drafts: three records
     inp = VerifyInput(padded, num_drafts, None, rows, np.zeros(len(rows)))
-    step = verify_with_logprobs(np, logits, inp, LogprobRequests(k_asked, (True,) * 4), "rejection", "normal")
+    step = launch_verify(np, logits, inp, LogprobRequests(k_asked, (True,) * 4), "rejection", "normal").result()
     assert step.logprobs.tokens[2] is None and step.num_accepted[0] == 2
     for b, k in enumerate(k_asked):
         for entries in (step.logprobs.tokens[b] or (), step.logprobs.drafts[b]):
@@ -248,10 +248,10 @@ def test_overlapped_step_equals_the_host_step(overlap: bool) -> None:
     wanted = LogprobRequests(tuple(5 if b % 3 else None for b in range(batch)), tuple(b % 2 == 0 for b in range(batch)),
                              tuple(b % 4 == 1 for b in range(batch)))  # some requests' entries rendered
     vocab_json = VocabJSON.build(TokenText(NumberTokenizer()), vocab)
-    host = verify_with_logprobs(np, logits, inp, wanted, "rejection", "normal", None, LogprobRenderer(np, vocab_json))
+    host = launch_verify(np, logits, inp, wanted, "rejection", "normal", None, LogprobRenderer(np, vocab_json)).result()
     stream = LogprobStream(cupy.cuda) if overlap else None
-    device = verify_with_logprobs(cupy, cupy.asarray(logits), inp, wanted, "rejection", "normal", stream,
-                                  LogprobRenderer(cupy, vocab_json))
+    device = launch_verify(cupy, cupy.asarray(logits), inp, wanted, "rejection", "normal", stream,
+                           LogprobRenderer(cupy, vocab_json)).result()
     assert (device.num_accepted, device.emitted) == (host.num_accepted, host.emitted)
     assert sum(host.num_accepted) > 0 and any(host.logprobs.rendered)
     for want, got in zip(host.logprobs.rendered, device.logprobs.rendered):

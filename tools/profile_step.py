@@ -30,7 +30,7 @@ from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, li
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
 from cupyspec.spec_decode.verification.verify import VerifyInput
-from cupyspec.spec_decode.verification.verify_step import LogprobRequests, verify_with_logprobs
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests
 
 
 def timed(xp: Any, fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
@@ -112,8 +112,8 @@ def verify_ms(engine: AsyncEngine, logits: Any, batch: int, num_drafts: int, rep
                       (SamplingRow(SamplingParams(temperature=0.0), 0.0),) * len(logits), np.zeros(len(logits)))
     wants = {"verify": LogprobRequests((None,) * batch, (False,) * batch),
              "verify_logprobs": LogprobRequests((5,) * batch, (True,) * batch)}
-    return {f"{name}_ms": timed(xp, lambda w=w: verify_with_logprobs(xp, logits, inp, w, "rejection", "normal",
-                                                                      runner.logprob_stream), repeats)[0]
+    return {f"{name}_ms": timed(xp, lambda w=w: launch_verify(xp, logits, inp, w, "rejection", "normal",
+                                                              runner.logprob_stream).result(), repeats)[0]
             for name, w in wants.items()}
 
 

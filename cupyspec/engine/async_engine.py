@@ -15,13 +15,14 @@ from jinja2 import TemplateError
 
 from cupyspec.backend import Backend, select_backend
 from cupyspec.config import EngineConfig
+from cupyspec.engine.admission import check_request
 from cupyspec.text.detokenizer import IncrementalDetokenizer
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.loader import LoadedModel, load_model
 from cupyspec.text.tokenizer import Tokenizer
 from cupyspec.metrics import EngineMetrics
-from cupyspec.model.kv_arrays import KVCacheArrays
+from cupyspec.model.kv_arrays import KVCacheArrays, kv_cache_blocks
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
@@ -41,7 +42,6 @@ from cupyspec.engine.worker import InlineSteps, StepThread
 
 log = logging.getLogger("cupyspec")
 
-CPU_KV_CACHE_BYTES = 1 << 30
 IDLE_SLICE_SECONDS = 0.005  # deferred proposer work done between checks for new requests, when idle
 
 
@@ -54,21 +54,6 @@ class EngineStats:
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_used_kv_blocks: int  # blocks held by requests (cached-but-free prefix blocks not counted)
-
-
-def _kv_cache_blocks(config: EngineConfig, backend: Backend, bytes_per_block: int) -> int:
-    budget = config.cache.kv_cache_memory_bytes
-    if budget is None:
-        if backend.is_cuda:
-            free, _total = backend.xp.cuda.runtime.memGetInfo()
-            budget = int(free * config.cache.gpu_memory_utilization)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 2:
-        raise ValueError(f"the KV cache budget of {budget} bytes holds fewer than 2 blocks "
-                         f"of {bytes_per_block} bytes; raise the KV memory budget")
-    return int(num_blocks)
 
 
 class _InFlight(NamedTuple):
@@ -107,8 +92,8 @@ class AsyncEngine:
         self.max_model_len = requested or context
         model = LlamaModel(loaded.config, loaded.weights, backend)
         block_size = config.cache.block_size
-        num_blocks = _kv_cache_blocks(config, backend,
-                                      KVCacheArrays.bytes_per_block(loaded.config, block_size, backend.dtype))
+        num_blocks = kv_cache_blocks(config.cache, backend,
+                                     KVCacheArrays.bytes_per_block(loaded.config, block_size, backend.dtype))
         kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
@@ -207,7 +192,8 @@ class AsyncEngine:
         if request_id in self.outputs.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids, params)
+        check_request(token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      self.block_manager.num_blocks * self.block_manager.block_size)
         if self.scheduler.num_waiting + params.n > self.config.scheduler.max_waiting_requests:
             raise EngineOverloadedError("the server is overloaded: too many waiting requests; retry later")
         max_output = params.max_tokens or self.max_model_len - len(token_ids)
@@ -228,23 +214,6 @@ class AsyncEngine:
         self.outputs.add(request)
         self._wake.set()
         return request
-
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", "prompt")
-        total = len(token_ids) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{total} ({len(token_ids)} in the prompt, {params.max_tokens or 1} to generate)", "max_tokens")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if total > capacity:
-            raise InvalidRequestError(f"the request needs {total} tokens of KV cache; the pool holds {capacity}",
-                                      "max_tokens")
 
     def _sampling_key(self, params: SamplingParams, choice_index: int) -> int:
         seed = int(self._rng.integers(1 << 62)) if params.seed is None else params.seed

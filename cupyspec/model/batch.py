@@ -41,10 +41,6 @@ class FlatBatch(NamedTuple):
     def num_seqs(self) -> int:
         return len(self.seq_lens_kv)
 
-    def last_rows(self) -> np.ndarray:
-        """[B] int64: the row of each segment's last token."""
-        return self.cu_seqlens_q[1:].astype(np.int64) - 1
-
 
 @dataclass(frozen=True)
 class DeviceBatch:

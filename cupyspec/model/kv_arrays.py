@@ -6,7 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.config import ModelConfig
+from cupyspec.backend import Backend
+from cupyspec.config import CacheConfig, ModelConfig
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the pool's default size without a GPU
 
 
 class KVCacheArrays:
@@ -27,3 +30,20 @@ class KVCacheArrays:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
+
+
+def kv_cache_blocks(cache: CacheConfig, backend: Backend, bytes_per_block: int) -> int:
+    """Blocks in the pool: `cache.kv_cache_memory_bytes`, else a share of the GPU memory left free
+    (`gpu_memory_utilization`), else CPU_KV_CACHE_BYTES; at least 2."""
+    budget = cache.kv_cache_memory_bytes
+    if budget is None:
+        if backend.is_cuda:
+            free, _total = backend.xp.cuda.runtime.memGetInfo()
+            budget = int(free * cache.gpu_memory_utilization)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache budget of {budget} bytes holds fewer than 2 blocks "
+                         f"of {bytes_per_block} bytes; raise the KV memory budget")
+    return int(num_blocks)
