@@ -1,11 +1,11 @@
-"""Prometheus metrics of the engine, rendered in the text exposition format (no dependency)."""
+"""Prometheus metrics of the engine, kept in a prometheus_client registry per engine."""
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
     from cupyspec.outputs import SpeculateMetrics
@@ -29,108 +29,68 @@ class StatsLike(Protocol):
     num_used_kv_blocks: int
 
 
-def format_value(value: float) -> str:
-    """A sample value as Prometheus writes it: integers without a fraction, +Inf/-Inf/NaN spelled out."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+# The `_created` series (a metric's creation time) is an OpenMetrics extra that the text format
+# writes as one more gauge family per counter and histogram; the engine exports none.
+prometheus_client.disable_created_metrics()
 
 
-def format_labels(labels: Sequence[tuple[str, str]]) -> str:
-    """`{a="x",b="y"}` with values escaped; empty when there are no labels."""
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}"
+class Counter(prometheus_client.Counter):
+    """A prometheus_client counter whose total reads back, for the tools and tests that trace it."""
+
+    def value(self) -> float:
+        """The running total of this counter (unlabelled, or the child of one set of label values)."""
+        (family,) = self.collect()
+        return next(sample.value for sample in family.samples if sample.name == family.name + "_total")
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-
-
-class Counter:
-    """A monotonically increasing count, optionally split by the value of one label."""
-
-    def __init__(self, name: str, help_text: str, label: str | None = None) -> None:
-        self.name, self.help_text, self.label = name, help_text, label
-        self._values: dict[str, float] = {} if label else {"": 0.0}
-
-    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter cannot decrease (amount={amount})")
-        self._values[label_value] = self._values.get(label_value, 0.0) + amount
-
-    def value(self, label_value: str = "") -> float:
-        return self._values.get(label_value, 0.0)
-
-    def render(self, const_labels: Sequence[tuple[str, str]]) -> list[str]:
-        lines = _header(self.name, "counter", self.help_text)
-        for label_value, value in sorted(self._values.items()):
-            labels = [*const_labels, (self.label, label_value)] if self.label else list(const_labels)
-            lines.append(f"{self.name}{format_labels(labels)} {format_value(value)}")
-        return lines
-
-
-class Histogram:
-    """Observations counted into cumulative buckets, with their sum and count."""
-
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float]) -> None:
-        self.name, self.help_text = name, help_text
-        self.buckets = tuple(sorted(float(b) for b in buckets))
-        if not self.buckets or len(set(self.buckets)) != len(self.buckets):
-            raise ValueError(f"{name}: buckets must be non-empty and distinct")
-        self._counts = [0] * (len(self.buckets) + 1)  # last: above every bound (+Inf only)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect_left(self.buckets, value)] += 1  # `le` is inclusive
-        self.sum += value
-        self.count += 1
-
-    def render(self, const_labels: Sequence[tuple[str, str]]) -> list[str]:
-        lines = _header(self.name, "histogram", self.help_text)
-        cumulative = 0
-        for bound, count in zip((*self.buckets, math.inf), self._counts, strict=True):
-            cumulative += count
-            labels = format_labels([*const_labels, ("le", format_value(bound))])
-            lines.append(f"{self.name}_bucket{labels} {cumulative}")
-        plain = format_labels(const_labels)
-        lines.append(f"{self.name}_sum{plain} {format_value(self.sum)}")
-        lines.append(f"{self.name}_count{plain} {self.count}")
-        return lines
+Metric = TypeVar("Metric", Counter, Gauge, Histogram)
 
 
 class EngineMetrics:
-    """The engine's counters and latency histograms; `render` adds the load gauges of a stats snapshot."""
+    """The engine's counters and latency histograms, and load gauges that `render` sets from a stats
+    snapshot, in a registry of their own; every sample carries `model_name` when a name is given."""
 
     def __init__(self, model_name: str | None = None) -> None:
-        self.const_labels: tuple[tuple[str, str], ...] = (("model_name", model_name),) if model_name else ()
-        self.requests_arrived = Counter(f"{PREFIX}requests_arrived_total", "Number of requests received.")
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens_total", "Number of prompt tokens processed.")
-        self.generation_tokens = Counter(f"{PREFIX}generation_tokens_total", "Number of generated tokens.")
+        self.registry = CollectorRegistry()
+        self.label_names: tuple[str, ...] = ("model_name",) if model_name else ()
+        self.label_values: tuple[str, ...] = (model_name,) if model_name else ()
+        self.num_running = self._gauge("num_requests_running", "Number of requests being processed.")
+        self.num_waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.requests_arrived = self._counter("requests_arrived_total", "Number of requests received.")
+        self.prompt_tokens = self._counter("prompt_tokens_total", "Number of prompt tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens_total", "Number of generated tokens.")
         self.request_success = Counter(f"{PREFIX}request_success_total",
-                                       "Number of finished requests, by finish reason.", label="finished_reason")
-        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
-                              "Time from arrival to the first generated token, in seconds.", TTFT_BUCKETS)
-        self.tpot = Histogram(f"{PREFIX}time_per_output_token_seconds",
-                              "Time between successive output tokens of a request, in seconds.", TPOT_BUCKETS)
-        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
-                             "Time from arrival to the end of a request, in seconds.", E2E_BUCKETS)
-        self.spec_steps = Counter(f"{PREFIX}spec_decode_num_steps_total", "Decode steps through the verifier.")
-        self.spec_drafts = Counter(f"{PREFIX}spec_decode_num_draft_tokens_total", "Draft tokens proposed.")
-        self.spec_accepted = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
-        self.spec_emitted = Counter(f"{PREFIX}spec_decode_num_emitted_tokens_total",
-                                    "Tokens emitted by verify steps (accepted drafts plus bonus tokens).")
+                                       "Number of finished requests, by finish reason.",
+                                       (*self.label_names, "finished_reason"), registry=self.registry)
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Time from arrival to the first generated token, in seconds.", TTFT_BUCKETS)
+        self.tpot = self._histogram("time_per_output_token_seconds",
+                                    "Time between successive output tokens of a request, in seconds.", TPOT_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds",
+                                   "Time from arrival to the end of a request, in seconds.", E2E_BUCKETS)
+        self.spec_steps = self._counter("spec_decode_num_steps_total", "Decode steps through the verifier.")
+        self.spec_drafts = self._counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed.")
+        self.spec_accepted = self._counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_emitted = self._counter("spec_decode_num_emitted_tokens_total",
+                                          "Tokens emitted by verify steps (accepted drafts plus bonus tokens).")
         self.spec_accepted_per_position = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total",
-                                                  "Draft tokens accepted, by draft position.", label="position")
+                                                  "Draft tokens accepted, by draft position.",
+                                                  (*self.label_names, "position"), registry=self.registry)
+
+    def _bind(self, metric: Metric) -> Metric:
+        """The child of `metric` for this engine's label values; the metric itself when there are none."""
+        return metric.labels(*self.label_values) if self.label_values else metric
+
+    def _gauge(self, name: str, help_text: str) -> Gauge:
+        return self._bind(Gauge(PREFIX + name, help_text, self.label_names, registry=self.registry))
+
+    def _counter(self, name: str, help_text: str) -> Counter:
+        return self._bind(Counter(PREFIX + name, help_text, self.label_names, registry=self.registry))
+
+    def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+        return self._bind(Histogram(PREFIX + name, help_text, self.label_names, registry=self.registry,
+                                    buckets=buckets))
 
     def on_request_arrived(self) -> None:
         self.requests_arrived.inc()
@@ -151,7 +111,7 @@ class EngineMetrics:
         self.e2e.observe(seconds)
 
     def on_request_finished(self, finish_reason: str) -> None:
-        self.request_success.inc(1, finish_reason)
+        self.request_success.labels(*self.label_values, finish_reason).inc()
 
     def on_speculation(self, spec: SpeculateMetrics) -> None:
         """Add a finished request's speculation counts."""
@@ -160,23 +120,11 @@ class EngineMetrics:
         self.spec_accepted.inc(spec.num_accepted_tokens)
         self.spec_emitted.inc(spec.num_emitted_tokens)
         for position, count in enumerate(spec.accepted_per_position):
-            self.spec_accepted_per_position.inc(count, str(position))
+            self.spec_accepted_per_position.labels(*self.label_values, str(position)).inc(count)
 
     def render(self, stats: StatsLike) -> str:
-        """All metrics in the Prometheus text format (version 0.0.4), ending with a newline."""
-        labels = format_labels(self.const_labels)
-        usage = stats.num_used_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0
-        gauges = (
-            ("num_requests_running", "Number of requests being processed.", stats.num_running),
-            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage),
-        )
-        lines: list[str] = []
-        for name, help_text, value in gauges:
-            lines += _header(PREFIX + name, "gauge", help_text)
-            lines.append(f"{PREFIX}{name}{labels} {format_value(value)}")
-        for metric in (self.requests_arrived, self.prompt_tokens, self.generation_tokens, self.request_success,
-                       self.ttft, self.tpot, self.e2e, self.spec_steps, self.spec_drafts, self.spec_accepted,
-                       self.spec_emitted, self.spec_accepted_per_position):
-            lines += metric.render(self.const_labels)
-        return "\n".join(lines) + "\n"
+        """All metrics in the Prometheus text format, the load gauges set from `stats`."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.num_used_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0)
+        return generate_latest(self.registry).decode()

@@ -60,8 +60,8 @@ class CompletionDelta:
                  finish_reason: str | None = None, stop_reason: str | int | None = None,
                  draft_logprobs: tuple[DraftLogprob, ...] | None = None,
                  logprobs_json: LogprobsJSON | None = None) -> None:
-        # The engine makes one per choice and step: fill the frozen fields directly, three times
-        # faster than the generated __init__ (object.__setattr__ per field).
+        # The engine makes one per choice and step: fill the frozen fields directly, without the
+        # generated __init__'s object.__setattr__ per field.
         self.__dict__.update(index=index, text=text, token_ids=token_ids, logprobs=logprobs,
                              finish_reason=finish_reason, stop_reason=stop_reason, draft_logprobs=draft_logprobs,
                              logprobs_json=logprobs_json)

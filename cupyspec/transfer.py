@@ -80,8 +80,7 @@ def to_device(xp: Any, array: np.ndarray) -> Any:
     """A host array on xp's device (NumPy: the array itself). CuPy: one asynchronous copy on the
     current stream straight from the array's pageable memory, which the driver stages before it
     returns (so the array may change afterwards). `cupy.asarray` stages it through CuPy's pinned
-    memory pool instead: behind a queued graph that cost the H100's host 80-240 µs for a small
-    array, this 24-58."""
+    memory pool instead, which costs the host more, most of all behind a queued graph."""
     if xp is np:
         return array
     array = np.ascontiguousarray(array)

@@ -42,6 +42,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The engine's metrics in the Prometheus text format 0.0.4, which `generate_latest` writes."""
     text = ServerContext.of(request).engine.metrics_text()
     return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 

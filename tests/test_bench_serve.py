@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import io
 import json
@@ -142,6 +143,23 @@ def test_completions_without_usage_counts_chunks() -> None:
     assert summary["total_output_tokens"] == 3 * len(CHUNK_SIZES)
     assert "acceptance_rate" not in summary
     assert fake.bodies[0]["model"] == "given" and isinstance(fake.bodies[0]["prompt"], str)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stderr_is_terminal", [True, False])
+def test_progress_bar_on_a_terminal_counts_failed_requests(stderr_is_terminal: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = Terminal() if stderr_is_terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    asyncio.run(with_server(FakeServer(), lambda url: dataclasses.replace(config(url), progress=True)))
+    if stderr_is_terminal:
+        assert "10/10" in stderr.getvalue() and "failed=2" in stderr.getvalue()
+    else:
+        assert stderr.getvalue() == ""
 
 
 def test_timeout_fails_instead_of_hanging() -> None:

@@ -132,7 +132,7 @@ def test_skipped_special_tokens_still_count() -> None:
     assert (delta.text, delta.num_tokens_accepted, delta.finish_reason) == ("a", 3, "length")
 
 
-def test_stop_token_ids() -> None:
+def test_a_stop_token_ends_the_output_without_its_text_or_what_follows() -> None:
     tok = FakeTokenizer()
     a, b, c = tok.ids("a", "b", "c")
     detok = make(tok, stop_token_ids=(b,))
@@ -186,7 +186,7 @@ def test_output_equals_whole_decode_for_any_split() -> None:
         assert text == data.decode()
 
 
-def test_bad_max_output_tokens() -> None:
+def test_a_max_output_tokens_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_output_tokens"):
         make(FakeTokenizer(), max_output_tokens=0)
 

@@ -26,7 +26,7 @@ def _rope_tables(rng: np.random.Generator, head_dim: int) -> tuple[np.ndarray, n
 
 
 @pytest.mark.parametrize("tokens,hidden", [(1, 576), (37, 576), (300, 896), (5, 100)])
-def test_rms_norm(tokens: int, hidden: int) -> None:
+def test_rms_norm_kernel_matches_twin(tokens: int, hidden: int) -> None:
     import cupy
 
     rng = np.random.default_rng(tokens + hidden)
@@ -38,7 +38,7 @@ def test_rms_norm(tokens: int, hidden: int) -> None:
 
 
 @pytest.mark.parametrize("tokens,hidden", [(1, 576), (300, 896), (7, 6)])
-def test_embedding_with_placeholders(tokens: int, hidden: int) -> None:
+def test_embedding_kernel_takes_placeholders_from_the_previous_tokens_as_the_twin(tokens: int, hidden: int) -> None:
     import cupy
 
     rng = np.random.default_rng(tokens)
@@ -52,7 +52,7 @@ def test_embedding_with_placeholders(tokens: int, hidden: int) -> None:
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (70, 9, 3, 64), (5, 14, 2, 128)])
-def test_rope_and_cache(tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_rope_and_cache_kernel_gives_the_twins_bits(tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
     import cupy
 
     rng = np.random.default_rng(tokens * heads)
@@ -70,7 +70,7 @@ def test_rope_and_cache(tokens: int, heads: int, kv_heads: int, head_dim: int) -
 
 
 @pytest.mark.parametrize("tokens,width", [(1, 1536), (33, 1536), (4, 100)])
-def test_swiglu(tokens: int, width: int) -> None:
+def test_swiglu_kernel_matches_twin(tokens: int, width: int) -> None:
     import cupy
 
     gate_up = (np.random.default_rng(width).standard_normal((tokens, 2 * width)) * 4).astype(np.float16)
@@ -173,7 +173,7 @@ def _mlp_on_device(residual: np.ndarray, norm_weight: np.ndarray, w: np.ndarray,
 
 
 @pytest.mark.parametrize("hidden,ffn", MLP_SHAPES)
-def test_norm_gate_up_swiglu(hidden: int, ffn: int) -> None:
+def test_norm_gate_up_swiglu_matches_twin_and_its_separate_kernels(hidden: int, ffn: int) -> None:
     """Against the twin; the bits of the separate kernels; a row's bits alone and in a batch of 8."""
     residual, norm_weight, w = _norm_inputs(np.random.default_rng(hidden), GEMV_MAX_ROWS, hidden, 2 * ffn)
     want = norm_gate_up_swiglu(np, residual, norm_weight, EPS, w.astype(np.float32))

@@ -98,7 +98,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_hf_dir(tmp_path, dtype):
+def test_half_precision_hf_weights_load_as_their_rounded_values(tmp_path, dtype):
     spec = TinySpec(arch="qwen2")
     weights = random_weights(spec, seed=2)
     model = load_model(str(write_hf_dir(tmp_path, spec, weights, dtype=dtype)))
@@ -198,7 +198,7 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         load_model(str(path))
 
 
-def test_unsupported_architectures(tmp_path):
+def test_unsupported_architectures_are_refused_by_name(tmp_path):
     spec = TinySpec()
     weights = random_weights(spec)
     with pytest.raises(ValueError, match="architecture 'gpt2' is unsupported"):
@@ -270,7 +270,7 @@ def test_tiny_tokenizers_agree_and_round_trip(tiny):
         assert tok.eos_token_ids == (2,) and tok.bos_token_id == 0
 
 
-def test_chat_template(tiny):
+def test_the_chat_template_renders_alike_from_hf_and_gguf(tiny):
     _, _, hf_dir, gguf_path = tiny
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -282,7 +282,7 @@ def test_chat_template(tiny):
         )
 
 
-def test_chat_template_errors():
+def test_a_missing_chat_template_or_one_that_raises_gives_a_value_error():
     hf = tiny_tokenizer()
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(hf, bos_token_id=None, eos_token_ids=(2,)).apply_chat_template([{"role": "user", "content": "x"}])
@@ -301,7 +301,7 @@ def test_add_bos_prepends_once():
     assert tok.encode("<|endoftext|>hi").count(0) == 1
 
 
-def test_sentencepiece_style_token_bytes():
+def test_sentencepiece_style_tokens_give_their_bytes():
     vocab = {"<unk>": 0, "<0x0A>": 1, "<0xC3>": 2, "\u2581hi": 3, "h": 4, "i": 5, "\u2581": 6, "hi": 7}
     hf = HFTokenizer(models.BPE(vocab, [("h", "i"), ("\u2581", "hi")], unk_token="<unk>", byte_fallback=True))
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])

@@ -25,7 +25,7 @@ class WordTokenizer:
     (-1e-4, "-9.99999975e-05"), (-2.0 ** -14, "-6.10351562e-05"), (-2.0 ** -13, "-0.000122070312"),
     (-1e-45, "-1.40129846e-45"), (-0.1, "-0.100000001"), (-1234.5678, "-1234.56775"),
 ])
-def test_logprob_format(value: float, text: str) -> None:
+def test_logprobs_render_with_nine_significant_digits_and_clamp_at_minus_9999(value: float, text: str) -> None:
     assert format_logprob(float(np.float32(value))) == text.encode()
 
 

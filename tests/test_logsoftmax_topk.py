@@ -48,7 +48,7 @@ def test_chosen_token_logprobs_match_twin(num_rows: int, k: int) -> None:
     np.testing.assert_allclose(got[2], want[2], atol=1e-5)
 
 
-def test_all_rows_by_default() -> None:
+def test_without_a_row_list_every_row_is_computed() -> None:
     import cupy
 
     logits = (np.random.default_rng(5).standard_normal((9, 1000)) * 4).astype(np.float32)

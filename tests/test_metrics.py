@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cupyspec.metrics import Counter, EngineMetrics, Histogram, format_labels, format_value
+from cupyspec.metrics import EngineMetrics
 from cupyspec.outputs import SpeculateMetrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
@@ -60,24 +60,24 @@ def test_engine_metrics_render() -> None:
     m.on_request_finished("length")
     m.on_request_finished("stop")
     families = parse_exposition(m.render(Stats()))
-    label = 'model_name="we\\"ird\\\\name"'
+    label = 'model_name="we\\"ird\\\\name"'  # label names come in sorted order, values with their escapes
     assert families["cupyspec:num_requests_running"] == ("gauge", {f"cupyspec:num_requests_running{{{label}}}": 3})
     assert families["cupyspec:kv_cache_usage_perc"][1] == {f"cupyspec:kv_cache_usage_perc{{{label}}}": 0.25}
     assert families["cupyspec:prompt_tokens_total"][1] == {f"cupyspec:prompt_tokens_total{{{label}}}": 10}
     assert families["cupyspec:generation_tokens_total"][1] == {f"cupyspec:generation_tokens_total{{{label}}}": 7}
     assert families["cupyspec:requests_arrived_total"][1] == {f"cupyspec:requests_arrived_total{{{label}}}": 2}
     success = families["cupyspec:request_success_total"]
-    assert success == ("counter", {f'cupyspec:request_success_total{{{label},finished_reason="length"}}': 1,
-                                   f'cupyspec:request_success_total{{{label},finished_reason="stop"}}': 2})
+    assert success == ("counter", {f'cupyspec:request_success_total{{finished_reason="length",{label}}}': 1,
+                                   f'cupyspec:request_success_total{{finished_reason="stop",{label}}}': 2})
     kind, ttft = families["cupyspec:time_to_first_token_seconds"]
     name = "cupyspec:time_to_first_token_seconds"
     assert kind == "histogram"
-    assert ttft[f'{name}_bucket{{{label},le="0.001"}}'] == 0
-    assert ttft[f'{name}_bucket{{{label},le="0.005"}}'] == 1
-    assert ttft[f'{name}_bucket{{{label},le="0.04"}}'] == 1
-    assert ttft[f'{name}_bucket{{{label},le="0.06"}}'] == 3
-    assert ttft[f'{name}_bucket{{{label},le="80"}}'] == 3
-    assert ttft[f'{name}_bucket{{{label},le="+Inf"}}'] == 4
+    assert ttft[f'{name}_bucket{{le="0.001",{label}}}'] == 0
+    assert ttft[f'{name}_bucket{{le="0.005",{label}}}'] == 1
+    assert ttft[f'{name}_bucket{{le="0.04",{label}}}'] == 1
+    assert ttft[f'{name}_bucket{{le="0.06",{label}}}'] == 3
+    assert ttft[f'{name}_bucket{{le="80.0",{label}}}'] == 3
+    assert ttft[f'{name}_bucket{{le="+Inf",{label}}}'] == 4
     assert ttft[f"{name}_count{{{label}}}"] == 4
     assert math.isclose(ttft[f"{name}_sum{{{label}}}"], 100.103)
     buckets = [v for k, v in ttft.items() if "_bucket" in k]
@@ -106,24 +106,31 @@ def test_empty_registry_is_valid() -> None:
     assert families["cupyspec:request_success_total"] == ("counter", {})
     e2e = families["cupyspec:e2e_request_latency_seconds"][1]
     assert e2e['cupyspec:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 0
+    assert not [name for name in families if name.endswith("_created")]
 
 
 def test_bucket_bounds_are_inclusive() -> None:
-    h = Histogram("h", "help", [1.0, 2.0])
-    for value in (1.0, 1.5, 2.0, 2.5):
-        h.observe(value)
-    lines = h.render(())
-    assert lines[2:] == ['h_bucket{le="1"} 1', 'h_bucket{le="2"} 3', 'h_bucket{le="+Inf"} 4', "h_sum 7", "h_count 4"]
+    m = EngineMetrics()
+    for seconds in (0.001, 0.002, 0.005, 0.006):
+        m.observe_ttft(seconds)
+    ttft = parse_exposition(m.render(Stats()))["cupyspec:time_to_first_token_seconds"][1]
+    name = "cupyspec:time_to_first_token_seconds_bucket"
+    assert [ttft[f'{name}{{le="{bound}"}}'] for bound in ("0.001", "0.005", "0.01", "+Inf")] == [1, 3, 4, 4]
 
 
-def test_counter_and_formatting_rules() -> None:
-    c = Counter("c_total", "help")
-    c.inc(2)
-    assert c.value() == 2
-    with pytest.raises(ValueError, match="cannot decrease"):
-        c.inc(-1)
-    with pytest.raises(ValueError, match="distinct"):
-        Histogram("h", "help", [1.0, 1.0])
-    assert [format_value(v) for v in (3, 0.25, math.inf, -math.inf, 1e-7)] == ["3", "0.25", "+Inf", "-Inf", "1e-07"]
-    assert format_value(math.nan) == "NaN"
-    assert format_labels([("a", 'x"\n\\')]) == '{a="x\\"\\n\\\\"}'
+def test_counters_read_back_and_never_decrease() -> None:
+    m = EngineMetrics(model_name="m")
+    m.on_generation_tokens(2)
+    m.on_generation_tokens(3)
+    assert m.generation_tokens.value() == 5
+    with pytest.raises(ValueError):
+        m.on_generation_tokens(-1)
+    assert m.generation_tokens.value() == 5
+
+
+def test_engine_metrics_count_apart() -> None:
+    first, second = EngineMetrics(model_name="m"), EngineMetrics(model_name="m")
+    first.on_request_arrived()
+    assert (first.requests_arrived.value(), second.requests_arrived.value()) == (1, 0)
+    arrived = parse_exposition(second.render(Stats()))["cupyspec:requests_arrived_total"]
+    assert arrived == ("counter", {'cupyspec:requests_arrived_total{model_name="m"}': 0})

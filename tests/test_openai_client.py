@@ -26,7 +26,8 @@ def model(client: openai.OpenAI) -> str:
     return card.id
 
 
-def test_models(client: openai.OpenAI, model: str, tiny_server: LiveServer) -> None:  # noqa: F811
+def test_the_model_list_names_the_served_model_and_others_are_not_found(
+        client: openai.OpenAI, model: str, tiny_server: LiveServer) -> None:  # noqa: F811
     assert model == tiny_server.model_name == "tiny-llama"
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError):
@@ -58,7 +59,7 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI, model: str)
     assert echoed.choices[0].text == "The quick brown" + whole.choices[0].text
 
 
-def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
+def test_chat_logprobs_list_the_top_tokens_in_order(client: openai.OpenAI, model: str) -> None:
     response = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, logprobs=True,
                                               top_logprobs=3, **GREEDY)
     content = response.choices[0].logprobs.content
@@ -72,7 +73,7 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     assert plain.choices[0].logprobs is None
 
 
-def test_completion_logprobs_with_echo(client: openai.OpenAI, model: str) -> None:
+def test_completion_logprobs_with_echo_cover_prompt_and_output(client: openai.OpenAI, model: str) -> None:
     response = client.completions.create(model=model, prompt="Hello world", max_tokens=4, logprobs=2, echo=True,
                                          **GREEDY)
     logprobs = response.choices[0].logprobs
@@ -84,7 +85,7 @@ def test_completion_logprobs_with_echo(client: openai.OpenAI, model: str) -> Non
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
 
 
-def test_n_choices(client: openai.OpenAI, model: str) -> None:
+def test_n_choices_are_indexed_per_prompt_and_counted_in_usage(client: openai.OpenAI, model: str) -> None:
     chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, n=2, temperature=1.0,
                                           seed=1, extra_body={"ignore_eos": True})
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 10

@@ -125,7 +125,7 @@ def test_suffix_min_token_prob_stops_uncertain_paths() -> None:
     assert ask(SuffixProposer(64, 0, 4.0, 0.3), ctx) == [5, 9, 1, 5, 9]
 
 
-def test_suffix_depth_bound() -> None:
+def test_suffix_match_and_drafts_stay_within_the_tree_depth() -> None:
     ctx = PATTERN + PATTERN[:10]
     assert ask(SuffixProposer(4, 0, 8.0, 0.1), ctx, k=8) == PATTERN[10:13]  # match + drafts <= 4 tokens
     assert ask(SuffixProposer(64, 0, 8.0, 0.1), ctx, k=8) == PATTERN[10:18]
@@ -280,19 +280,23 @@ def test_suffix_global_matches_follow_insertions_and_evictions() -> None:
 
 def test_suffix_caches_finished_outputs_a_chunk_at_a_time() -> None:
     """The engine moves finished outputs into the global trie when it has time: until then they
-    are not proposed from; each catch_up step adds INSERT_CHUNK tokens."""
+    are not proposed from. A catch_up given no time caches a piece and says whether some is left,
+    so that the start of an output is proposed from before its end is cached."""
+    output = [int(t) for t in np.random.default_rng(7).permutation(np.arange(100, 100 + 8 * INSERT_CHUNK))]
     proposer = SuffixProposer(64, -1, 1.0, 0.1)
-    proposer.on_sequence_finished(0, "a", np.array([1, 2, 3] + RESPONSE), 3)
-    early, late = [9] + RESPONSE[:4], [9] + RESPONSE[40:45]  # tails inside the first chunk, and past it
-    assert ask(proposer, early, k=3, seq_id=1) == []
-    assert proposer.catch_up(0.0)  # one chunk
-    assert ask(proposer, early, k=3, seq_id=2) == RESPONSE[4:INSERT_CHUNK][:3]
-    assert ask(proposer, late, k=3, seq_id=3) == []
-    calls = 2
-    while proposer.catch_up(0.0):  # a chunk each
-        calls += 1
-    assert calls == -(-len(RESPONSE) // INSERT_CHUNK)
-    assert ask(proposer, late, k=3, seq_id=4) == RESPONSE[45:48]
+    proposer.on_sequence_finished(0, "a", np.array([1, 2, 3] + output), 3)
+    early, late = [9] + output[:4], [9] + output[-8:-3]  # tails near the start and near the end
+    seq_ids = iter(range(1, 1000))
+    assert ask(proposer, early, k=3, seq_id=next(seq_ids)) == []
+    left, calls = True, 0
+    while left and not ask(proposer, early, k=3, seq_id=next(seq_ids)):
+        left, calls = proposer.catch_up(0.0), calls + 1
+    assert left and ask(proposer, late, k=3, seq_id=next(seq_ids)) == []  # the start only
+    while left:
+        left, calls = proposer.catch_up(0.0), calls + 1
+    assert 1 < calls <= len(output)  # a piece a call
+    assert ask(proposer, early, k=3, seq_id=next(seq_ids)) == output[4:7]
+    assert ask(proposer, late, k=3, seq_id=next(seq_ids)) == output[-3:]
 
 
 def test_suffix_drops_waiting_outputs_beyond_the_cache_limit() -> None:
@@ -331,7 +335,7 @@ class _Fixed(Proposer):
         self.finished.append(seq_id)
 
 
-def test_chain_counts_and_continuity() -> None:
+def test_a_chain_continues_the_first_proposers_drafts_with_the_second() -> None:
     ctx = [7, 1, 2, 3, 4, 5, 6, 9]  # after the first's drafts [1, 2] the ngram continues with 3, 4, ...
     chain = ChainProposer(_Fixed([1, 2, 200]), NgramProposer(1, 4), first_count=2)
     assert ask(chain, ctx, k=5) == [1, 2, 3, 4, 5]
@@ -357,7 +361,7 @@ def test_chain_refuses_a_stateful_second_proposer() -> None:
         ChainProposer(NgramProposer(), SuffixProposer(), 2)
 
 
-def test_factory() -> None:
+def test_the_factory_builds_the_configured_proposer() -> None:
     assert make_proposer(SpeculativeConfig()) is None
     assert isinstance(make_proposer(SpeculativeConfig(method="naive")), NaiveProposer)
     ngram = make_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=2, ngram_max=5))

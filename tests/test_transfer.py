@@ -56,8 +56,11 @@ def test_a_transfer_says_once_its_arrays_are_handed_out() -> None:
 
 
 def test_pinned_buffers_come_in_powers_of_two() -> None:
-    assert [pinned_size(n) for n in (0, 1, MIN_PINNED_BYTES, MIN_PINNED_BYTES + 1, 300_000)] == \
-        [MIN_PINNED_BYTES, MIN_PINNED_BYTES, MIN_PINNED_BYTES, 2 * MIN_PINNED_BYTES, 1 << 19]
+    """A buffer is the smallest power of two that holds the bytes, and no smaller than MIN_PINNED_BYTES."""
+    for nbytes in (0, 1, MIN_PINNED_BYTES - 1, MIN_PINNED_BYTES, MIN_PINNED_BYTES + 1, 300_000, 1 << 19, (1 << 19) + 1):
+        size = pinned_size(nbytes)
+        assert size >= max(nbytes, MIN_PINNED_BYTES) and size & (size - 1) == 0, nbytes
+        assert size == MIN_PINNED_BYTES or size < 2 * nbytes, nbytes
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@
 By default each server is started in turn and runs every benchmark. With `--rounds N` (N > 1)
 every server runs at once, on consecutive ports, and each round runs each benchmark on every
 server, the servers' order turning by one each round: a machine whose speed drifts between runs
-(on a shared host, by tens of percent at load) then weighs on every setting alike. Give each
+(a shared host under load) then weighs on every setting alike. Give each
 server its share of GPU memory (`--kv-cache-memory`); the benchmarks' order turns too. The table has
 each column's mean over the rounds, the output throughput's median, lowest and highest, and its
 change against the first benchmark on the same server: the median over the rounds of each round's
@@ -19,11 +19,11 @@ with the ratios' quartiles.
 
 To measure what a request option costs, give it as a second benchmark:
 
-    python tools/bench_matrix.py --out results --rounds 9 --warm-rounds 1 \
-        --server "ngram5=--device cuda --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":5}'" \
-        --bench 'none=--dataset code-rewrite --num-prompts 256 --max-concurrency 64' \
-        --bench "lp=--dataset code-rewrite --num-prompts 256 --max-concurrency 64 \
-                 --extra-body '{\"logprobs\":true,\"top_logprobs\":5}'"
+    python tools/bench_matrix.py --out results --rounds 9 --warm-rounds 1 \\
+        --server "ngram5=--device cuda --speculative-config '{\\"method\\":\\"ngram\\",\\"num_speculative_tokens\\":5}'" \\
+        --bench 'none=--dataset code-rewrite --num-prompts 256 --max-concurrency 64' \\
+        --bench "lp=--dataset code-rewrite --num-prompts 256 --max-concurrency 64 \\
+                 --extra-body '{\\"logprobs\\":true,\\"top_logprobs\\":5}'"
 
 Arguments are split as a shell would (shlex): quote JSON values. Each result goes to
 <out>/<server>-<bench>.json (with rounds, <out>/<server>-<bench>-<round>.json: tools/bench_serve.py's

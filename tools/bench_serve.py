@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from bench_datasets import DATASETS, DEFAULT_CACHE, BenchPrompt, DatasetSpec, load_prompts
+from tqdm import tqdm
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -178,35 +179,23 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
         raise RuntimeError(f"could not read the model from {url} ({type(exc).__name__}: {exc}); pass --model") from exc
 
 
-class Progress:
-    """A one-line progress bar on stderr, redrawn with a carriage return."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
-        self.done = self.failed = 0
-
-    def update(self, record: RequestRecord) -> None:
-        self.done, self.failed = self.done + 1, self.failed + (not record.success)
-        if self.enabled:
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}"
-                             f"  failed {self.failed}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 async def run_requests(session: aiohttp.ClientSession, config: BenchConfig, model: str,
-                       prompts: Sequence[BenchPrompt], progress: Progress | None) -> list[RequestRecord]:
-    """All prompts, launched at Poisson arrival times, at most `max_concurrency` in flight."""
+                       prompts: Sequence[BenchPrompt], progress: tqdm | None) -> list[RequestRecord]:
+    """All prompts, launched at Poisson arrival times, at most `max_concurrency` in flight; `progress`
+    counts the finished requests and shows how many failed."""
     limit = asyncio.Semaphore(config.max_concurrency or len(prompts))
     rng = random.Random(config.seed)
+    failed = 0
 
     async def one(prompt: BenchPrompt) -> RequestRecord:
+        nonlocal failed
         async with limit:
             record = await send_request(session, config, model, prompt)
         if progress is not None:
-            progress.update(record)
+            if not record.success:
+                failed += 1
+                progress.set_postfix(failed=failed, refresh=False)
+            progress.update()
         return record
 
     tasks = []
@@ -296,9 +285,12 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
             if failed:
                 print(f"warning: {len(failed)} of {config.warmup} warm-up requests failed: {failed[0]}",
                       file=sys.stderr)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        records = await run_requests(session, config, model, prompts, Progress(len(prompts), config.progress))
-        duration, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        # disable=None: tqdm draws the bar only when stderr is a terminal
+        with tqdm(total=len(prompts), unit="req", postfix={"failed": 0}, file=sys.stderr,
+                  disable=None if config.progress else True) as progress:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            records = await run_requests(session, config, model, prompts, progress)
+            duration, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     summary = summarize(records, duration, cpu_seconds)
     print(format_summary(summary))
     rate = config.request_rate if math.isfinite(config.request_rate) else "inf"  # JSON has no infinity

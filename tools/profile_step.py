@@ -30,7 +30,7 @@ from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, li
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
 from cupyspec.spec_decode.verification.verify import VerifyInput
-from cupyspec.spec_decode.verification.verify_step import LogprobRequests
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests, launch_verify
 
 
 def timed(xp: Any, fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:

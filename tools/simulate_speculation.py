@@ -8,18 +8,18 @@ output processing, all on this host. Only the model is replaced. Each request ha
 tokens its reply is made of (a HumanEval function rewritten with the name `solution`, or
 ShareGPT's first reply, at most `--max-tokens`), and a step emits the scripted tokens: the next
 one, or under speculation the drafts that match the script and one more. The step's device time
-follows a model of the captured graph on an H100 (`tools/profile_step.py`: 0.61 ms at 1 row and
-0.635 at 8 with 200 cached positions, 1.39 at 64 and 2.20 at 256 with 256; linear between and
-beyond; plus `--sample-ms` for sampling and the copy, plus `--verify-ms` for a step that verifies
-drafts). The step is waited for when collected, so a step that overlaps hides its host work
-behind the modeled device time as on the GPU. Steps are handed to the step thread, as on the CPU;
-on a GPU the event loop runs them itself (cupyspec/engine/worker.py), so the simulated host pays two
-thread switches a step that the GPU engine does not.
+follows a model of the captured graph on an H100 (GRAPH_MS by GRAPH_ROWS, from
+`tools/profile_step.py`; linear between and beyond; plus `--sample-ms` for sampling and the copy,
+plus `--verify-ms` for a step that verifies drafts). The step is waited for when collected, so a
+step that overlaps hides its host work behind the modeled device time as on the GPU. Steps are
+handed to the step thread, as on the CPU; on a GPU the event loop runs them itself
+(cupyspec/engine/worker.py), so the simulated host pays two thread switches a step that the GPU
+engine does not.
 
 Reported per method and concurrency: output tokens per second, host CPU time per output token (the
 process's CPU time: the modeled device sleeps, so this is the engine's host work), and mean tokens
-per step of a request. On a shared machine throughput drifts by tens of percent between runs:
-`--repeats N` runs each method N times, rotating their order, and ends with medians.
+per step of a request. On a shared machine throughput drifts between runs: `--repeats N` runs
+each method N times, rotating their order, and ends with medians.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from bench_datasets import HUMANEVAL, SHAREGPT, code_rewrite_prompt, humaneval_p
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.engine.gc_policy import settle_garbage_collector
-from cupyspec.engine.runner import SeqStepOutput, StepInputs
+from cupyspec.engine.runner import SeqStepOutput
+from cupyspec.engine.step_inputs import StepInputs
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.scheduling.scheduler import SchedulerOutput
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig

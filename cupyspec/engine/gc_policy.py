@@ -6,8 +6,8 @@ import gc
 
 # Young objects are collected every 100,000 net allocations instead of CPython's 700. The engine
 # allocates a few small records per token (and suffix decoding a trie node per token and suffix),
-# almost all freed by reference counting; frequent collections cost it about 40% of its host time
-# per step at 256 sequences. Cyclic garbage waits longer, bounded by that many objects.
+# almost all freed by reference counting, so frequent collections spend the host's step time on
+# scans that free nearly nothing. Cyclic garbage waits longer, bounded by that many objects.
 THRESHOLDS = (100_000, 50, 100)
 
 

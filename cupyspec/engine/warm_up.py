@@ -1,15 +1,13 @@
 """Start-up warm-up: a few requests through every step path, so that no real request waits for a
 kernel compiled (or a memory pool grown) on first use.
 
-On a GPU each CUDA and CuPy kernel compiles the first time it runs, some 0.1 to 1 s apiece: greedy
-and random sampling, top-k/top-p/min-p, penalties, logprobs, prompt logprobs, and under
-speculation verification with and without logprobs, and logprobs rendered as chat JSON (whose
-vocabulary table is built then). The warm-up sends requests that use them
-all, with a stand-in proposer that always drafts (the real one never sees them), then forgets
-them: metrics and the learned step costs start afresh (`AsyncEngine.create` resets them). Last,
-a prompt of more rows than the matrix-product kernels take, where cuBLAS runs: its first use
-costs about half a second (the first prefill of 32 prompts of 128 tokens ran at 7,500 tok/s,
-the next ones at 100,000).
+On a GPU each CUDA and CuPy kernel compiles the first time it runs: greedy and random sampling,
+top-k/top-p/min-p, penalties, logprobs, prompt logprobs, and under speculation verification with
+and without logprobs, and logprobs rendered as chat JSON (whose vocabulary table is built then).
+The warm-up sends requests that use them all, with a stand-in proposer that always drafts (the
+real one never sees them), then forgets them: metrics and the learned step costs start afresh
+(`AsyncEngine.create` resets them). Last, a prompt of more rows than the matrix-product kernels
+take, so that cuBLAS, which runs such products, makes its slow first call here too.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ T = TypeVar("T")
 class InlineSteps:
     """Calls run on the event loop. On a GPU no call blocks: launching a step only queues device
     work and copies, and `until` polls for them between the loop's other tasks, so collecting
-    finds its results on the host. Handing each call to a thread would cost two thread switches
-    (some 100-250 µs a step on the device's host), as much as the host work of a small step."""
+    finds its results on the host. Handing each call to a thread would cost two thread switches,
+    as much as the host work of a small step."""
 
     @staticmethod
     def run(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 from cupyspec.logprobs.logprob_json import LogprobRenderer
-from cupyspec.logprobs.logsoftmax_topk import (KERNEL_MAX_K, NULL_POINTER, DeviceRows, launch_top_logprobs,
+from cupyspec.logprobs.logsoftmax_topk import (KERNEL_MAX_K, NULL_POINTER, launch_top_logprobs,
                                         top_logprobs_on_device)
 from cupyspec.logprobs.layout import LayoutArrays, UploadedLayout
 from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID

@@ -1,11 +1,11 @@
 """A step's logprob work, replayed as CUDA graphs.
 
 A step's logprob work is a dozen calls into CuPy and the CUDA runtime: uploads, the top-k, gather
-and render launches and their allocations, events, the copies to the host. On the H100's host
-that took 0.2-0.3 ms a step, at one request as at 64, paid before the host could form the next
-step. Over the static logits of the forward pass's graphs (cupyspec/model/cuda_graphs.py, where
-the rows of a step that also runs prompts are too) the work of one step shape is captured once,
-with the copy of its results into pinned memory of its own:
+and render launches and their allocations, events, the copies to the host. Their host time, the
+same at one request as at many, delays the forming of the next step. Over the static logits of the
+forward pass's graphs (cupyspec/model/cuda_graphs.py, where the rows of a step that also runs
+prompts are too) the work of one step shape is captured once, with the copy of its results into
+pinned memory of its own:
 
 - a verifying step's (shape: its requests B, padded, and the top logprobs; the layout holds
   B * (K + 1) rows and B * K draft slots, K the most drafts a request may verify, `LayoutShape`) writes
@@ -65,7 +65,7 @@ class LentGraphs:
         self._host = [cupyx.empty_pinned(results.shape, results.dtype) for _ in range(2)]
         self._host_arrays = [host_arrays(host) for host in self._host]
         self._staged = [cupyx.empty_pinned(inputs.shape, inputs.dtype) for _ in range(2)] if inputs is not None else []
-        self._events = [xp.cuda.Event(disable_timing=True) for _ in range(2)]  # made once: 5 µs each on the host
+        self._events = [xp.cuda.Event(disable_timing=True) for _ in range(2)]  # made once: creating one costs host time
         self._graphs: list[Any] = []
         self._lent: list[weakref.ref | None] = [None, None]  # the HostTransfer of each graph's results
 

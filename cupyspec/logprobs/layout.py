@@ -13,8 +13,8 @@ layout has a shape of its own, larger than its steps' (`LayoutShape`): rows past
 logits and score nothing (row_target PAD_ROW, row_pos PAD_POSITION), requests past its own ask
 nothing. The host then writes only the requests' fields (`RequestWants.packed`), and
 cuda/logprob_layout.cu expands them into the rows and draft offsets on the device
-(`expand_on_device`; its twin: `LogprobLayout.build`): at 64 requests building the rows took the
-H100's host some 55 µs a step.
+(`expand_on_device`; its twin: `LogprobLayout.build`), so that the host's work per step does not
+grow with the rows.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class RequestWants:
         live_b, live_k, fields = len(drafts), drafts.shape[1], _request_fields(shape)
         table = out[fields.drafts:fields.drafts + b * k].reshape(b, k)  # [B, K]
         table[:live_b, :live_k] = drafts
-        if live_k < k or live_b < b:  # (each NumPy call costs the host a microsecond or two, an empty one too)
+        if live_k < k or live_b < b:  # skipped without padding: even an empty NumPy assignment costs host time
             table[:live_b, live_k:], table[live_b:] = PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID
         for field, at in ((num_drafts, fields.num_drafts), (first_row, fields.first_row)):
             out[at:at + live_b] = field

@@ -1,12 +1,11 @@
 """Logprobs rendered as OpenAI chat `logprobs.content` JSON, on the device: the CUDA kernel and its twin.
 
 A chat stream with `top_logprobs=5` carries six JSON objects per token. Built on the host (a
-record per token, then response objects, then the encoder) they cost the H100's host some 6 µs a
-token: at 64 streams, where every step waits for the host, a sixth to a quarter of the
-throughput. Here a kernel writes the entries right after the logprobs are gathered (a verified
-step's into the gather's buffer), from a table of each token's `"token"` string and `"bytes"`
-list, JSON-encoded once; they reach the host with the logprobs and are sliced per request
-(`LogprobsJSON`), ready to send.
+record per token, then response objects, then the encoder) they cost host time per token, which a
+host-bound step at many streams pays out of its throughput. Here a kernel writes the entries right
+after the logprobs are gathered (a verified step's into the gather's buffer), from a table of each
+token's `"token"` string and `"bytes"` list, JSON-encoded once; they reach the host with the
+logprobs and are sliced per request (`LogprobsJSON`), ready to send.
 
 An entry, with the request's first k alternatives:
 
@@ -77,10 +76,11 @@ class VocabJSON:
 @dataclass(slots=True, eq=False)
 class LogprobsJSON:
     """Chat `logprobs.content` entries of consecutive tokens, each followed by a comma. One is made
-    per request and step, so it is cheap to make: not frozen (a frozen one's __init__ costs three
-    times as much), and its entries' ends kept as the render counted them, from `start`."""
+    per request and step, so it is cheap to make: not frozen (a frozen dataclass's __init__ sets
+    each field through object.__setattr__, which is slower), and its entries' ends kept as the
+    render counted them, from `start`."""
 
-    data: bytes | memoryview  # (a view of the bytes of a step's entries: slicing them per request copied them)
+    data: bytes | memoryview  # a view of the bytes of a step's entries: slicing bytes per request would copy them
     ends: Sequence[int]  # token i's entry (with its comma) ends at data[ends[i] - start]
     start: int = 0
 

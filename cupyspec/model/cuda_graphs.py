@@ -118,7 +118,7 @@ class CudaGraphs:
             self._pad(staged, num_tokens, bucket)
         tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
         end = self.tokens_size + num_seqs * self.width  # the token fields and the batch's block tables
-        runtime = self._runtime  # one raw copy: CuPy's slice and set cost the host twice as much
+        runtime = self._runtime  # one raw copy: a CuPy slice and set costs the host more
         runtime.memcpyAsync(self.inputs.data.ptr, self._host_pointers[turn], end * self.inputs.itemsize,
                             runtime.memcpyHostToDevice, self.stream.ptr)
         self.graphs[bucket].launch(self.stream)

@@ -2,17 +2,16 @@
 After each step: shadow probes keep the acceptance estimates of sequences that do not draft, and
 the proposer catches up on deferred bookkeeping.
 
-This bookkeeping is overhead. Evaluating the rule again (the last plan stands in between) has a
-budget of OVERHEAD_SHARE of the engine's step time; shadow probing and the proposer's catching up
-have another (with one budget for both, the evaluations left the probes nothing at one sequence,
-where one costs the share of several steps: a sequence that stopped drafting after a few
-rejections learned nothing for tens of steps). Exploring steps (see `Drafter.plan`) take at most
-1 / EXPLORE_STEPS of the step time, less while exploring shows nothing that pays: so that a
-speculating engine under a load where speculation does not pay runs within a few percent of one
-that does not speculate. (The time the engine waits for the device is no measure of spare host
-time: a server's event loop writes responses meanwhile.) The budgets do not back off: they pay for
-the evaluations and probes that let the rule draft again when acceptance recovers, and at low load
-those are cheap and must come soon.
+This bookkeeping is overhead, paid from budgets that are shares of the engine's step time (the
+time the engine waits for the device is no measure of spare host time: a server's event loop
+writes responses meanwhile). Evaluating the rule again (the last plan stands in between) has a
+budget of OVERHEAD_SHARE; shadow probing and the proposer's catching up have another, so that the
+evaluations, which at one sequence cost the share of several steps, cannot starve the probes.
+Exploring steps (see `Drafter.plan`) take at most 1 / EXPLORE_STEPS of the step time, less while
+exploring shows nothing that pays, so that under a load where speculation does not pay the engine
+runs within a few percent of one that does not speculate. The budgets do not back off: they pay
+for the evaluations and probes that let the rule draft again when acceptance recovers, which at
+low load are cheap and must come soon.
 """
 
 from __future__ import annotations
@@ -119,20 +118,20 @@ class Drafter:
         solves for the best drafts when some pay), and its inputs change slowly. Meanwhile its
         last plan stands, for the sequences it asked drafts of (`_standing`).
 
-        The cost fit learns only from the steps the rule lets happen, so the rule explores: after
-        EXPLORE_STEPS drafting steps in a row it takes steps without drafts until the fit has taken
-        one (under overlap scheduling the first is refilled, so two; SAME_ROWS_STREAK_FACTOR times
-        as many while the batch has the rows of the last one the fit took), and after as many
-        steps without drafts, one in which the EXPLORE_SEQS likeliest sequences draft, whatever their
-        acceptance (`_explore`), if what such a step adds is at most 1 / (EXPLORE_STEPS * backoff) of
-        the time since the last drafting step (at a load where drafting steps are dear, exploring waits
-        longer; the price is the fit's, or what the last exploring step added if more: a first
-        proposal may index a whole prompt, host work the fit leaves out as an outlier; the back-off
-        doubles, up to MAX_BACKOFF, each time no step but the exploring ones drafted since the
-        last exploring step, and is 1 again at the first that does). Without the
-        second, a cost learned at one load (drafting at concurrency 1 is one sequence drafting and
-        one synchronous step at once, which no fit can tell apart) kept speculation off at another
-        load where it pays."""
+        The cost fit learns only from the steps the rule lets happen, so the rule explores both ways:
+        after EXPLORE_STEPS drafting steps in a row (SAME_ROWS_STREAK_FACTOR times as many while the
+        batch has the rows of the last draft-free step the fit took, which another would not price
+        anew) it takes steps without drafts until the fit has taken one (under overlap scheduling
+        the first is refilled, so two); after as many steps without drafts, it takes one in which
+        the EXPLORE_SEQS likeliest sequences draft, whatever their acceptance (`_explore`), once
+        what such a step adds is at most 1 / (EXPLORE_STEPS * backoff) of the time since the last
+        drafting step. That price is the fit's, or what the last exploring step of the load band
+        added if more (a first proposal may index a whole prompt, host work the fit leaves out as
+        an outlier). The back-off doubles, up to MAX_BACKOFF, each time no step but the exploring
+        ones drafted since the last exploring step, and is 1 again at the first that does.
+        Exploring lets drafting resume at a load where it pays after a cost learned at another
+        stopped it (drafting at one sequence is one sequence drafting and one synchronous step at
+        once, which no fit can tell apart)."""
         if self.config.cost_aware_backoff:
             longest = EXPLORE_STEPS * (SAME_ROWS_STREAK_FACTOR if len(running) == self._plain_rows else 1)
             if self._drafting_streak >= longest:

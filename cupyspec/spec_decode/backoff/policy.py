@@ -7,17 +7,15 @@
    recent hit rate h (the share of its proposer's answers that held any draft) discounts that: the
    expected kept drafts of k asked for are h * (a + a^2 + ... + a^k).
    Below `min_acceptance_rate` it stops drafting. A sequence that does not draft keeps both
-   estimates current through shadow probes (`cupyspec/spec_decode/backoff/shadow.py`): now and then its proposer is
-   asked for drafts that are not verified but scored, steps later, against the tokens emitted
-   since, which costs the device nothing.
+   estimates current through shadow probes (`shadow.py`): now and then its proposer is asked for
+   drafts that are not verified but scored, steps later, against the tokens emitted since, which
+   costs the device nothing.
 3. Drafts cost time: the engine learns what a draft-free step costs, and what drafting adds to a
-   step per draft row, per drafting sequence and per step (`StepCostModel`; under overlap
-   scheduling a draft-free step is launched before the host has seen the tokens of the step
-   before, a drafting step runs one step at a time). Each step takes the
-   drafts that maximize the expected tokens emitted per second of the step (the ratio is maximized
-   exactly, by Dinkelbach's iteration), or none when a draft-free step emits more per second.
-   With few sequences and repetitive text every useful draft is taken; as the batch grows, or
-   proposals miss, a draft must be likelier to be kept to pay for itself, and speculation stops.
+   step per draft row, per drafting sequence, per kept draft and per step (`StepCostModel`). Each
+   step takes the drafts that maximize the expected tokens emitted per second of the step (exactly,
+   by Dinkelbach's iteration), or none when a draft-free step emits more per second. With few
+   sequences and repetitive text every useful draft is taken; as the batch grows, or proposals
+   miss, a draft must be likelier to be kept to pay for itself, and speculation stops.
 4. A step holds at most `max_draft_tokens_per_step` drafts in all: the likeliest ones.
 """
 
@@ -31,7 +29,7 @@ from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.backoff.step_cost import StepCost
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
-DINKELBACH_ITERATIONS = 16
+DINKELBACH_ITERATIONS = 16  # `best_drafts` stops after this many ratio updates if the choice has not settled
 
 
 def draft_limits(running: Seq[Sequence], config: SpeculativeConfig, cost: StepCost | None = None) -> dict[int, int]:

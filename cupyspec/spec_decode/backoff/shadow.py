@@ -6,8 +6,8 @@ the host has, at most every PROBE_INTERVAL of its decode steps and once the last
 the drafts are compared with the tokens emitted since as soon as those decide them (one differs
 from its draft, or all came), and the probe is scored. That costs the device nothing, and estimates
 acceptance without bias: a greedy target accepts exactly the drafts equal to its tokens, and a
-sampling one accepts a one-hot draft with the probability that it samples that token. (A proposer
-with draft distributions of its own would need the residual rule instead; none has one yet.)
+sampling one accepts a one-hot draft with the probability that it samples that token. (Drafts with
+distributions of their own would need the residual rule instead; the proposers here give none.)
 """
 
 from __future__ import annotations

@@ -1,47 +1,30 @@
 """What engine steps cost, learned online, for the back-off rule (`cupyspec/spec_decode/backoff/policy.py`).
 
-The engine reports each step's wall time since the step before (scheduling, forward pass, sampling
-or verification, output processing, waits for the device: everything the loop spends per step) with
-its shape (`StepShape`). Two estimates come out of them, each an exponentially weighted least-squares
-fit over recent steps:
+The engine reports each step's wall time since the step before (everything the loop spends per
+step) with its shape (`StepShape`). Two exponentially weighted least-squares fits come out of them:
 
-- a draft-free step: seconds = fixed + per_row * rows, over the draft-free steps;
+- a draft-free step: seconds = fixed + per_row * rows;
 - what drafting adds to a step: seconds = per_drafting_step + per_draft_row * draft rows
-  + per_drafting_seq * drafting sequences + per_kept_draft * kept drafts, over the drafting steps,
-  each measured against the first estimate at its own rows. Under overlap scheduling a drafting
-  step runs one step at a time (the proposers read every token), so its host work is no longer
-  hidden behind the device: that shows in `per_drafting_step`. Kept drafts are tokens the host
-  processes (detokenizing, stop checks, outputs): without their term, their cost went to the draft
-  rows, which are more numerous where acceptance is high, and fewer drafts looked cheaper than they are.
-  What drafting adds depends on the load, beyond these terms: at 128 sequences the host is the
-  bottleneck and a drafting step gives up the overlap of a long host step; at one sequence it
-  gives up little. So this fit is learned apart for each load band (the steps' sequences, up to
-  each bound of LOAD_BANDS, and above): a price learned during a busy spell kept speculation
-  off at one sequence after it, for longer than the exploring steps at one sequence took to
-  outweigh it (seconds of a server's life).
+  + per_drafting_seq * drafting sequences + per_kept_draft * kept drafts, measured against the
+  first fit at the step's rows. `per_drafting_step` holds the host work that a drafting step, run
+  one step at a time under overlap scheduling, cannot hide behind the device; `per_kept_draft` the
+  host's work on each kept draft (detokenizing, stop checks, outputs), which would otherwise be
+  charged to the draft rows. This fit is learned apart for each load band (LOAD_BANDS), because
+  giving up overlap costs much where the host is the bottleneck (a large batch) and little at one
+  sequence.
 
-The row slopes (per_row, per_draft_row) are shrunk towards 0 by a ridge too weak to matter where
-rows vary: where they do not (at one sequence nearly every drafting step has the most drafts),
-the intercept takes the cost instead of a minimum-norm share, which had charged seven drafts' rows
-most of the price of a drafting step. The per-sequence slope keeps its minimum-norm
-share: when all drafting steps so far had as many drafting sequences (the exploring steps of a
-busy server), it charges each sequence part of the price, so that more of them look dearer,
-where a ridge let a fit learned from 8 of them send 84 sequences of a chat workload drafting.
+The row slopes are under a weak ridge, so that where rows do not vary (at one sequence nearly every
+drafting step has the most drafts) the intercept takes the cost. The per-sequence slope is not:
+while all drafting steps had as many drafting sequences, its minimum-norm share makes more of them
+look dearer.
 
-A step is a drafting one when it verifies drafts. One whose sequences asked for drafts and got none
-verifies nothing and runs overlapped, as a draft-free step does: taken as a drafting step of no
-draft rows, its low price had made the fit charge the draft rows what verification costs (at one
-sequence, 60-110 µs a row against a flat step time from 1 to 7 rows).
-
-A drafting step breaks overlap scheduling: after draft-free steps it first waits for the one in
-flight (the drain), and the draft-free step after it is launched with none in flight
-(`refilled`). So what a drafting step adds is taken over both: its own wall time, the wait
-included, plus what the refilled step after it took more or less than a draft-free step of its
-rows. Where the device is the bottleneck, a draft-free step waits for the one before it, the
-refilled one does not, and that gives back most of the drain; where the host is (a large batch), a
-draft-free step waits for nothing, the refilled one saves nothing, and the drain is part of what
-drafting costs. The refilled step is not taken as a draft-free step's price. Each fit has few
-terms, which keeps it stable over the few dozen steps it remembers.
+A step is a drafting one when it verifies drafts; one whose sequences got no drafts runs overlapped
+and counts as draft-free. A drafting step waits for the step in flight (the drain), and the
+draft-free step after it is launched with none in flight (`refilled`). So what drafting adds is the
+drafting step's wall time plus what the refilled step took more or less than a draft-free step of
+its rows: where the device is the bottleneck the refilled step gives the drain back, where the host
+is it does not. A refilled step is not taken as a draft-free step's price. Each fit has few terms,
+which keeps it stable over the few dozen steps it remembers.
 """
 
 from __future__ import annotations
@@ -56,7 +39,7 @@ PLAIN_DECAY = 0.9  # weight kept by past draft-free steps at each new one (about
 DRAFTING_DECAY = 0.97  # likewise for drafting steps (about 30 of them)
 MIN_PLAIN_STEPS = 8  # draft-free steps observed before the estimate is used
 MIN_DRAFTING_STEPS = 6  # drafting steps, likewise
-REFIT_STEPS = 4  # a fit is brought up to date when asked, at most every this many of its observations
+REFIT_STEPS = 4  # a fit is solved when asked, at most every this many of its observations, so few steps pay for it
 RIDGE = 1e-3  # a row slope's penalty, per unit of observation weight (module docstring)
 OUTLIER_FACTOR = 3.0  # once fitted, a step slower than this many times its predicted time is an outlier
 MAX_OUTLIER_RUN = 8  # outliers in a row that are left out; past them the cost has changed, and is learned
@@ -141,9 +124,8 @@ class _WeightedLeastSquares:
 
     def _solve(self) -> np.ndarray:
         """[T] terms, none negative: while the fit gives some term a negative value, the most negative
-        is set to 0 and the others are fitted again. (Clipping it alone kept what it had offset: at
-        one sequence, where draft rows vary from 6 to 7, a slope of -0.9 ms a row clipped to 0 left
-        the drafting step's intercept at 7 ms, and speculation off.)"""
+        is set to 0 and the others are fitted again, so that they drop what it offset (clipping it
+        alone would keep that in them)."""
         lhs = self.gram + np.diag(RIDGE * self.gram[0, 0] * self.ridged)  # gram[0, 0]: the observations' weight
         free = np.ones(len(self.moment), dtype=bool)  # [T] the terms still fitted
         while True:
@@ -183,9 +165,9 @@ class StepCostModel:
         self._unlearned.append((shape, seconds))
 
     def learn(self) -> None:
-        """Take the observed steps into the fits. Judging a step solves a fit now and then (some
-        50-150 µs): the engine calls this while the next step is on the device, so that it does not
-        lengthen the host's gap between a drafting step and the next."""
+        """Take the observed steps into the fits. Judging a step solves a fit now and then: the
+        engine calls this while the next step is on the device, so that it does not lengthen the
+        host's gap between a drafting step and the next."""
         unlearned, self._unlearned = self._unlearned, []
         for shape, seconds in unlearned:
             self._learn_one(shape, seconds)
@@ -194,11 +176,10 @@ class StepCostModel:
         """A step far slower than predicted (a kernel compiled on first use, a garbage collection, or
         a burst of requests tokenized while the step waited for the device) is left out, so that one
         hiccup does not stop speculation for long; a step after a drafting one that is, takes the
-        drafting one with it. Capping such steps instead let a burst raise the fit, and so the cap,
-        threefold a step: 70 ms a drafting step at one sequence, learned while 64 requests came in,
-        kept speculation off there for good. A draft-free step is judged by the fit as last solved
-        (by `fit`, which the back-off rule calls within its budget): solving it here would cost
-        every step."""
+        drafting one with it. Such steps are left out rather than capped, since a cap rises with the
+        fit and a burst would raise both step after step. A draft-free step is judged by the fit as
+        last solved (by `fit`, which the back-off rule calls within its budget): solving it here
+        would cost every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
         if plain is None:  # nothing to measure against yet: only draft-free steps are taken
             if not shape.drafting and not shape.refilled:

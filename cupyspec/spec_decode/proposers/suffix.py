@@ -209,9 +209,8 @@ class SuffixProposer(Proposer):
     time to spare (under a load that keeps the host busy, the oldest ones waiting past
     `max_cached_requests` are dropped).
 
-    The tries are Python objects: expect roughly 1-2 KB of memory per token they hold (running
-    contexts and cached outputs; repetitive text costs more), which bounds a sensible
-    `max_cached_requests`.
+    The tries are Python objects, so their memory grows with the tokens they hold (running contexts
+    and cached outputs; repetitive text costs more), which bounds a sensible `max_cached_requests`.
     """
 
     method = "suffix"

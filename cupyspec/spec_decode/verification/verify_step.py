@@ -95,7 +95,7 @@ class StepVerdict:
 class LogprobStream:
     """A CUDA stream for the log-softmax of a verifying step beside its verification, and the two
     events that join it to the main stream, made once: recording an event again costs the host
-    under a microsecond, making one some 5."""
+    less than making a new one."""
 
     def __init__(self, cuda: Any) -> None:
         self.stream = cuda.Stream(non_blocking=True)
@@ -194,8 +194,8 @@ class StepWants(NamedTuple):
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _wants(wanted: LogprobRequests) -> StepWants:
-    """What the requests of `wanted` ask. Requests change less often than the drafts: at 64 requests
-    `_layout` misses its cache every step, this does not."""
+    """What the requests of `wanted` ask; cached apart from `_layout`, because requests change less
+    often than the drafts: under load `_layout` misses its cache, this does not."""
     tokens = np.array([k is not None for k in wanted.top_logprobs])
     drafts = np.array(wanted.include_drafts)
     rendered = wanted.render_k >= 0
@@ -206,9 +206,8 @@ def _wants(wanted: LogprobRequests) -> StepWants:
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout(wanted: LogprobRequests, num_drafts: bytes) -> LogprobLayout:
     """The logprob layout of a step whose requests ask `wanted` and verify num_drafts (int64 bytes)
-    drafts each; read-only. Made once per such step: at one sequence most steps repeat the step
-    before, and building it took some 80 µs of NumPy calls on the H100's host (the launch of a
-    verifying step is on the host's critical path)."""
+    drafts each; read-only. Made once per such step, since at one sequence most steps repeat the
+    step before and the launch of a verifying step is on the host's critical path."""
     counts = np.frombuffer(num_drafts, dtype=np.int64)  # [B]
     first_row = np.cumsum(counts + 1) - (counts + 1)  # [B]
     layout = LogprobLayout.build(first_row, counts, _wants(wanted).fields)
@@ -217,16 +216,9 @@ def _layout(wanted: LogprobRequests, num_drafts: bytes) -> LogprobLayout:
     return layout
 
 
-def verify_with_logprobs(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequests, strategy: str,
-                         accept_policy: str, side: LogprobStream | None = None,
-                         renderer: LogprobRenderer | None = None) -> StepVerdict:
-    """launch_verify, waited for."""
-    return launch_verify(xp, logits, inp, wanted, strategy, accept_policy, side, renderer).result()
-
-
 def _records(kind: type[T], *columns: list) -> tuple[T, ...]:
-    """kind(*fields) for each row of the columns, made in C (`tuple.__new__`, half the cost of
-    calling the named tuple: the engine makes one per emitted token and per draft)."""
+    """kind(*fields) for each row of the columns, made in C by `tuple.__new__`, which costs less
+    than calling the named tuple (the engine makes one per emitted token and per draft)."""
     return tuple(map(tuple.__new__, repeat(kind), zip(*columns)))
 
 

@@ -35,5 +35,5 @@ def test_contexts_follow_growth_placeholders_and_shorter_reads():
     ([1, 2], [1], None),  # shorter: another sequence
     ([1, 2], [1, 5, 3], None),  # the last seen token differs
 ])
-def test_unseen_tokens(seen, tokens, expected):
+def test_unseen_tokens_are_what_follows_the_seen_context_or_none_for_another(seen, tokens, expected):
     assert unseen_tokens(seen, np.array(tokens, dtype=np.int32)) == expected

@@ -191,7 +191,7 @@ def test_check_invariants_detects_a_leak():
         bm.check_invariants([])
 
 
-def test_bad_arguments():
+def test_a_block_manager_without_blocks_or_block_size_is_refused():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 16, True)
     with pytest.raises(ValueError, match="block_size"):

@@ -1,0 +1,153 @@
+"""A step's inputs, formed on the host from the scheduler's output: the flat batch, the target rows
+that pick or verify tokens, and the prompt rows that score prompt logprobs."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from cupyspec.model.batch import FlatBatch, flat_batch
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.sampling.sampler import SamplingRow
+from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
+from cupyspec.scheduling.scheduler import SchedulerOutput
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID
+from cupyspec.spec_decode.verification.verify_step import LogprobRequests
+
+
+class StepInputs(NamedTuple):
+    """Everything a step needs, captured on the event loop, so that a step run on the step thread (CPU)
+    reads no live state (a tuple: one is made per step, on the host's critical path)."""
+
+    batch: FlatBatch
+    target_rows: np.ndarray  # [R] int64: batch rows whose logits pick (or verify) tokens
+    sampling: tuple[SamplingRow, ...]  # [R]
+    accept_uniforms: np.ndarray  # [R] float64: draws of the draft acceptance tests (0 for greedy rows)
+    owners: tuple[int, ...]  # [S]: scheduled index of each sampling sequence
+    first_rows: np.ndarray  # [S] int64: batch row of each sampling sequence's first target row
+    drafts: np.ndarray  # [S, K] int64, PLACEHOLDER_TOKEN_ID past each sequence's drafts
+    num_drafts: np.ndarray  # [S] int64
+    logprobs: LogprobRequests  # [S]: logprobs and draft logprobs asked by each sampling sequence
+    prompt_rows: np.ndarray  # [P] int64: rows scoring the next prompt token
+    prompt_targets: np.ndarray  # [P] int64: that next prompt token
+    prompt_owner: tuple[tuple[int, int, int], ...]  # [P]: (scheduled index, target position, top k)
+
+
+def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+    """Rows for positions num_tokens .. num_tokens + len(drafts), uniforms still 0: penalties see
+    the drafts before each row."""
+    params = seq.params
+    if not params.has_penalties:
+        return [SamplingRow(params, 0.0)] * (len(drafts) + 1)
+    prompt = np.asarray(seq.prompt_token_ids) if params.repetition_penalty != 1.0 else None
+    return [SamplingRow(params, 0.0, prompt, np.asarray(seq.output_token_ids + drafts[:j]))
+            for j in range(len(drafts) + 1)]
+
+
+class _TargetRows:
+    """The rows of a step that pick (or verify) tokens: each sampling sequence's last row and its
+    drafts' rows, with their sampling parameters and random draws."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # batch rows
+        self.sampling: list[SamplingRow] = []
+        self.owners: list[int] = []  # scheduled index of each sampling sequence
+        self.first_rows: list[int] = []  # batch row of its first target row
+        self.drafts: list[list[int]] = []  # its drafts
+        self.params: list[SamplingParams] = []  # its parameters
+        self._drawn, self._keys, self._positions = [], [], []  # rows that draw at random: index, key, position
+
+    def add(self, index: int, seq: Sequence, drafts: list[int], first_row: int) -> None:
+        """`seq`, scheduled at `index`, samples from batch rows first_row .. first_row + len(drafts)."""
+        count = len(drafts) + 1
+        self.owners.append(index)
+        self.first_rows.append(first_row)
+        self.drafts.append(drafts)
+        self.params.append(seq.params)
+        self.rows.extend(range(first_row, first_row + count))
+        if not seq.params.greedy:
+            self._drawn.extend(range(len(self.sampling), len(self.sampling) + count))
+            self._keys.extend([seq.sampling_key] * count)
+            self._positions.extend(range(seq.num_tokens, seq.num_tokens + count))
+        self.sampling += _sampling_rows(seq, drafts)
+
+    def draw_uniforms(self) -> np.ndarray:
+        """Set the sampling draw of the rows that draw at random; return every row's acceptance draw [R].
+
+        Greedy rows ignore their draws (and a greedy row's acceptance test is 0 < p, p in {0, 1}): 0.
+        """
+        accept_uniforms = np.zeros(len(self.sampling), dtype=np.float64)
+        if self._drawn:
+            keys, positions = np.array(self._keys, dtype=np.uint64), np.array(self._positions, dtype=np.int64)
+            for r, u in zip(self._drawn, counter_uniforms(keys, positions, SAMPLE_STREAM).tolist()):
+                self.sampling[r] = self.sampling[r]._replace(uniform=u)
+            accept_uniforms[self._drawn] = counter_uniforms(keys, positions, ACCEPT_STREAM)
+        return accept_uniforms
+
+
+class _PromptRows:
+    """The rows of a step that score the next prompt token, for prompt logprobs."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+        self.owner: list[tuple[int, int, int]] = []  # (scheduled index, target position, top k)
+
+    def add(self, index: int, seq: Sequence, start: int, num_new: int, first_row: int) -> None:
+        """The rows of a segment of `num_new` tokens from position `start`, its first at `first_row`."""
+        for pos in range(start, min(start + num_new, seq.num_prompt_tokens - 1)):
+            self.rows.append(first_row + pos - start)
+            self.targets.append(seq.prompt_token_ids[pos + 1])
+            self.owner.append((index, pos + 1, seq.params.prompt_logprobs))
+
+
+def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
+    """[S, K] int64: each sequence's drafts, PLACEHOLDER_TOKEN_ID past them."""
+    max_drafts = max(map(len, draft_lists), default=0)
+    drafts = np.full((len(draft_lists), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+    if max_drafts:
+        for s, d in enumerate(draft_lists):
+            drafts[s, :len(d)] = d
+    return drafts
+
+
+def prepare_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
+    """The flat batch of the scheduled segments (each a prefill chunk, one token, or [last token,
+    d1..dk]), the rows that pick or verify tokens with their sampling rows and random draws, and the
+    rows that score prompt tokens for prompt logprobs."""
+    token_ids: list[int] = []
+    lengths, starts, block_ids = [], [], []
+    targets, prompt = _TargetRows(), _PromptRows()
+    row = 0
+    for i, item in enumerate(sched.scheduled):
+        seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
+        drafts = seq.draft_token_ids[:item.num_lookahead_tokens]
+        token_ids += item.token_ids
+        token_ids += drafts
+        lengths.append(n + len(drafts))
+        starts.append(start)
+        block_ids.append(seq.block_ids)
+        if seq.needs_prompt_logprobs:
+            prompt.add(i, seq, start, n, row)
+        if item.samples:
+            targets.add(i, seq, drafts, row + n - 1)
+        row += n + len(drafts)
+    accept_uniforms = targets.draw_uniforms()
+    return StepInputs(
+        batch=flat_batch(token_ids, lengths, starts, block_ids, block_size),
+        target_rows=np.array(targets.rows, dtype=np.int64),
+        sampling=tuple(targets.sampling),
+        accept_uniforms=accept_uniforms,
+        owners=tuple(targets.owners),
+        first_rows=np.array(targets.first_rows, dtype=np.int64),
+        drafts=_drafts_array(targets.drafts),
+        num_drafts=np.array([len(d) for d in targets.drafts], dtype=np.int64),
+        logprobs=LogprobRequests(tuple(p.logprobs for p in targets.params),
+                                 tuple(p.include_draft_logprobs for p in targets.params),
+                                 tuple(p.render_logprobs for p in targets.params)),
+        prompt_rows=np.array(prompt.rows, dtype=np.int64),
+        prompt_targets=np.array(prompt.targets, dtype=np.int64),
+        prompt_owner=tuple(prompt.owner),
+    )
