@@ -91,10 +91,14 @@ class EngineConfig:
     overlap_scheduling: bool = True
     warm_up: bool | None = None  # run requests through every kernel before serving (None: on a GPU only)
     stream_interval: int = 1  # deliver a request's outputs every this many tokens (first and last at once)
+    # CPU: threads of the BLAS library that runs the matrix products (None: the CPUs the process may use)
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.cpu_threads is not None and (type(self.cpu_threads) is not int or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an integer >= 1 or None, not {self.cpu_threads!r}")
         if self.warm_up not in (None, True, False):
             raise ValueError(f"warm_up must be true, false or None, not {self.warm_up!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:

@@ -7,8 +7,10 @@ import asyncio
 import logging
 import re
 import signal
+import socket
 import sys
 from collections.abc import Coroutine
+from contextlib import ExitStack
 from typing import Any
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -33,6 +35,37 @@ def parse_bytes(text: str) -> int:
     return size
 
 
+def parse_port(text: str) -> int:
+    """A TCP port number from 0 to 65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be from 0 to 65535, not {port}")
+    return port
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Raise ValueError unless `host` resolves and every address it names can be bound with `port`,
+    as the server binds them later (all at once, IPv6 sockets IPv6-only, addresses reusable); the
+    sockets are closed again."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} does not resolve to an address: {exc}") from None
+    with ExitStack() as sockets:
+        for family, kind, proto, _name, address in dict.fromkeys(addresses):
+            sock = sockets.enter_context(socket.socket(family, kind, proto))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise ValueError(f"cannot listen on --host {host!r} --port {port}: {exc.strerror}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cupyspec-serve", description="Serve an OpenAI-compatible API with "
                                 "speculative decoding on CuPy (GPU) or NumPy (CPU).")
@@ -41,8 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients use in `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; the default accepts local clients only, 0.0.0.0 accepts all")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=parse_port, default=8000, help="TCP port to listen on; 0 picks a free one")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--cpu-threads", type=int, metavar="N",
+                   help="CPU: threads of the BLAS library that runs the model's matrix products (default: the "
+                        "CPUs this process may use, unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set); "
+                        "fewer where other busy processes share the cores")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -79,6 +116,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configuration from the command line; invalid values raise ValueError."""
     return EngineConfig(
         model=args.model, device=args.device, served_model_name=args.served_model_name, seed=args.seed,
+        cpu_threads=args.cpu_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -140,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        check_listen_address(args.host, args.port)  # before the model loads, which takes a while
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
     try:

@@ -41,8 +41,20 @@ CONTEXT = web.AppKey("cupyspec_context", ServerContext)
 
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:
-    """The JSON body as `kind`; malformed JSON and wrong types raise msgspec errors (HTTP 400)."""
-    return msgspec.json.decode(await request.read(), type=kind)
+    """The JSON body as `kind`; malformed JSON and wrong types raise msgspec errors (HTTP 400).
+
+    msgspec raises UnicodeDecodeError for invalid UTF-8 inside a string it decodes, and
+    RecursionError for arrays or objects nested deeper than the interpreter's recursion limit
+    (in fields it skips too); both are the client's error, an APIError (HTTP 400)."""
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: a string is not valid UTF-8 ({exc.reason})",
+                       code="invalid_json") from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply",
+                       code="invalid_json") from exc
 
 
 def json_response(payload: Any, status: int = 200) -> web.Response:

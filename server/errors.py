@@ -18,26 +18,28 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inva
                 413: "invalid_request_error", 503: "server_error"}
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _FIELD = re.compile(r"(?:missing required|unknown) field `([^`]+)`")
+OVERLOADED_RETRY_AFTER_SECONDS = 1  # a full queue drains as running requests finish: retry soon
 
 
 class APIError(Exception):
     """An error the client should see with this status, type, param and code."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None) -> None:
+                 error_type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = error_type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}  # sent with the error response, e.g. Retry-After
 
     def body(self) -> bytes:
         return msgspec.json.encode(ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code)))
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         return web.Response(status=self.status, body=self.body(), content_type="application/json",
-                            headers=headers)
+                            headers={**self.headers, **(headers or {})})
 
 
 def validation_param(message: str) -> str | None:
@@ -63,7 +65,8 @@ def to_api_error(exc: Exception) -> APIError | None:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc) or "the server is overloaded; retry later", code="overloaded")
+        return APIError(503, str(exc) or "the server is overloaded; retry later", code="overloaded",
+                        headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineClosedError):
         return APIError(503, str(exc) or "the engine is shutting down", code="engine_closed")
     return None

@@ -1,5 +1,5 @@
-"""`cupyspec-serve` argument handling: sizes, configuration errors (exit 2), start-up errors (exit 1),
-device selection, and the README's usage block."""
+"""`cupyspec-serve` argument handling: sizes, configuration and address errors (exit 2, before the model
+loads), start-up errors (exit 1), device selection, BLAS threads on the CPU, and the README's usage block."""
 
 from __future__ import annotations
 
@@ -8,16 +8,21 @@ import asyncio
 import json
 import logging
 import re
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
 from tiny_models import tiny_model_paths
 
 from cupyspec import backend
+from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
-from cupyspec.server.cli import build_parser, engine_config, main, parse_bytes
+from cupyspec.server import cli
+from cupyspec.server.cli import build_parser, check_listen_address, engine_config, main, parse_bytes
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
@@ -55,6 +60,7 @@ def test_engine_config_from_arguments() -> None:
     (["--speculative-config", '{"method": "warp"}'], "method must be one of"),
     (["--block-size", "12"], "block_size must be a power of two"),
     (["--kv-cache-memory", "lots"], "not a size"),
+    (["--cpu-threads", "0"], "cpu_threads must be an integer >= 1"),
 ])
 def test_bad_configuration_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
@@ -159,3 +165,114 @@ def test_device_auto_without_a_gpu_runs_on_the_cpu_with_a_warning(tmp_path: Path
     assert (engine.backend.device, engine.backend.xp, engine.backend.dtype) == ("cpu", np, np.float32)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"no usable GPU ({NO_GPU}): running on the CPU with NumPy"]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if `main` gets as far as starting the engine."""
+    def load(*_args: object) -> None:
+        raise AssertionError("the engine started")
+    monkeypatch.setattr(cli, "run_loop", load)
+
+
+def exit_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str, float]:
+    """`main(argv)`'s exit status, its stderr's last line, and the seconds it took."""
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return info.value.code, err.strip().splitlines()[-1], time.monotonic() - started
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "argument --port: the port must be from 0 to 65535, not 70000"),
+    (["--port", "-1"], "argument --port: the port must be from 0 to 65535, not -1"),
+    (["--port", "http"], "argument --port: not a port number: 'http'"),
+    (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' does not resolve to an address"),
+    (["--host", "192.0.2.1", "--port", "0"], "cannot listen on --host '192.0.2.1' --port 0"),
+])
+def test_bad_address_exits_2_before_the_model_loads(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, last_line, seconds = exit_of(argv, capsys)
+    assert code == 2 and last_line.startswith("cupyspec-serve: error: ") and message in last_line
+    assert seconds < 1.0
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_address_in_use_exits_2_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, last_line, seconds = exit_of(["--host", "127.0.0.1", "--port", str(port)], capsys)
+    assert code == 2 and f"cannot listen on --host '127.0.0.1' --port {port}: Address already in use" in last_line
+    assert seconds < 1.0
+
+
+def test_free_addresses_pass_the_check() -> None:
+    check_listen_address("127.0.0.1", 0)
+    check_listen_address("localhost", 0)
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    check_listen_address("127.0.0.1", port)
+    assert build_parser().parse_args(["--port", "0"]).port == 0
+    assert "0 picks a free one" in build_parser().format_help()
+
+
+def test_cpu_threads_reaches_the_config() -> None:
+    assert engine_config(build_parser().parse_args(["--cpu-threads", "3"])).cpu_threads == 3
+    assert engine_config(build_parser().parse_args([])).cpu_threads is None
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="cpu_threads"):
+            EngineConfig(cpu_threads=bad)  # type: ignore[arg-type]
+
+
+def blas_threads() -> set[int]:
+    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_engine_limits_the_blas_threads(tmp_path: Path, threads: int, caplog: pytest.LogCaptureFixture) -> None:
+    _hf, gguf_path = tiny_model_paths(tmp_path)
+    config = EngineConfig(model=str(gguf_path), device="cpu", cpu_threads=threads,
+                          cache=CacheConfig(kv_cache_memory_bytes=4 * 2**20))
+
+    async def start_and_stop() -> set[int]:
+        engine = await AsyncEngine.create(config)
+        limits = blas_threads()
+        await engine.shutdown(0)
+        return limits
+
+    # the limit holds for the whole process: the test gives the previous one back
+    with threadpool_limits(limits=None, user_api="blas"), caplog.at_level(logging.INFO, logger="cupyspec"):
+        assert asyncio.run(start_and_stop()) == {threads}
+    assert f"CPU: BLAS threads {threads}" in caplog.text
+
+
+def test_cpu_threads_default_to_the_cpus_the_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in backend.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with threadpool_limits(limits=None, user_api="blas"):
+        threadpool_limits(limits=backend.available_cpus() + 1, user_api="blas")
+        backend.limit_cpu_threads(None)
+        assert blas_threads() == {backend.available_cpus()}
+
+
+def test_a_blas_thread_variable_keeps_its_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    with threadpool_limits(limits=None, user_api="blas"):
+        for threads in (2, 1):
+            monkeypatch.setenv("OPENBLAS_NUM_THREADS", str(threads))
+            threadpool_limits(limits=threads, user_api="blas")  # as the variable does when BLAS loads
+            backend.limit_cpu_threads(None)
+            assert blas_threads() == {threads}
+
+
+@pytest.mark.parametrize("cpu_max,bound", [("max 100000", None), ("300000 100000", 3), ("50000 100000", 1)])
+def test_available_cpus_follow_a_cgroup_quota(tmp_path: Path, cpu_max: str, bound: int | None) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(cpu_max + "\n")
+    affinity = backend.available_cpus(str(tmp_path / "missing"))
+    assert backend.available_cpus(str(path)) == (affinity if bound is None else min(affinity, bound))

@@ -320,6 +320,19 @@ def test_errors_over_http_and_server_keeps_serving() -> None:
     with_client(test)
 
 
+def test_overloaded_503_carries_retry_after_and_other_errors_do_not() -> None:
+    async def test(client: TestClient, engine: ScriptedEngine) -> None:
+        for path, body in [("/v1/completions", {"prompt": "full"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "full"}]})]:
+            r = await client.post(path, json=body)
+            assert r.status == 503 and (await r.json())["error"]["code"] == "overloaded"
+            assert int(r.headers["Retry-After"]) >= 1
+        for prompt in ("bad", "crash"):
+            r = await client.post("/v1/completions", json={"prompt": prompt})
+            assert r.status in (400, 500) and "Retry-After" not in r.headers
+    with_client(test)
+
+
 def test_client_disconnect_aborts_the_request() -> None:
     async def test(client: TestClient, engine: ScriptedEngine) -> None:
         r = await client.post("/v1/completions", json={"prompt": "slow", "max_tokens": 50, "stream": True})

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 from jinja2 import TemplateError
 
-from cupyspec.backend import Backend, select_backend
+from cupyspec.backend import Backend, limit_cpu_threads, select_backend
 from cupyspec.config import EngineConfig
 from cupyspec.engine.admission import check_request
 from cupyspec.text.detokenizer import IncrementalDetokenizer
@@ -118,6 +118,8 @@ class AsyncEngine:
     async def create(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model (in a worker thread) and start the step loop."""
         backend = select_backend(config.device)
+        if not backend.is_cuda:
+            limit_cpu_threads(config.cpu_threads)
         loaded = await asyncio.to_thread(load_model, config.model)
         engine = await asyncio.to_thread(cls, config, loaded, backend)
         engine._loop_task = asyncio.create_task(engine._run_loop(), name="cupyspec-engine")
