@@ -19,17 +19,25 @@ from contextlib import aclosing
 import msgspec
 from aiohttp import web
 
+from cupyspec.logprobs.logprob_json import LogprobsJSON
 from cupyspec.outputs import CompletionDelta
 from cupyspec.server.context import ServerContext, decode_body, json_response
-from cupyspec.logprobs.logprob_json import LogprobsJSON
 from cupyspec.server.logprobs import chat_draft_logprobs
-from cupyspec.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatDraftLogprobs,
-                                      ChatDraftTokenLogprob, ChatLogprobs)
+from cupyspec.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatDraftLogprobs,
+    ChatDraftTokenLogprob,
+    ChatLogprobs,
+)
 from cupyspec.server.sampling import chat_messages, chat_params
 from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
-from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
-                                       write_sse)
+from cupyspec.server.streaming import EngineStream, UsageCounter, engine_streams, include_usage, merged, write_sse
 
 EMPTY_ENTRIES = LogprobsJSON(b"", ())
 

@@ -21,14 +21,23 @@ from aiohttp import web
 
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
 from cupyspec.server.context import ServerContext, decode_body, json_response
-from cupyspec.server.logprobs import (completion_draft_logprobs, completion_logprobs, merge_completion_logprobs,
-                                      text_offsets)
-from cupyspec.server.protocol import (CompletionChoice, CompletionChunk, CompletionDraftLogprobs, CompletionLogprobs,
-                                      CompletionRequest, CompletionResponse)
+from cupyspec.server.logprobs import (
+    completion_draft_logprobs,
+    completion_logprobs,
+    merge_completion_logprobs,
+    text_offsets,
+)
+from cupyspec.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionDraftLogprobs,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from cupyspec.server.sampling import Prompt, completion_params, completion_prompts
 from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
-from cupyspec.server.streaming import (EngineStream, UsageCounter, engine_streams, include_usage, merged,
-                                       write_sse)
+from cupyspec.server.streaming import EngineStream, UsageCounter, engine_streams, include_usage, merged, write_sse
 
 
 class CompletionJob:

@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.logprobs.logprob_json import MIN_LOGPROB
-from cupyspec.server.protocol import (ChatDraftTokenLogprob, CompletionDraftLogprobs,
-                                      CompletionLogprobs, TopLogprob)
+from cupyspec.outputs import DraftLogprob, TokenLogprob
+from cupyspec.server.protocol import ChatDraftTokenLogprob, CompletionDraftLogprobs, CompletionLogprobs, TopLogprob
 from cupyspec.text.token_text import TokenText
 
 L = TypeVar("L", bound=CompletionLogprobs)

@@ -21,8 +21,8 @@ from tiny_models import tiny_model_paths
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine, EngineStats
 from cupyspec.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, MODEL_ENV_VAR, cache_dir
-from cupyspec.outputs import TokenLogprob
 from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON
+from cupyspec.outputs import TokenLogprob
 from cupyspec.server.app import create_app, start_server
 
 T = TypeVar("T")

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from cupyspec.logprobs.accept_gather import GatheredLogprobs, RowLogprobs, accept_and_gather, gathered_on_host
+from cupyspec.logprobs.layout import LayoutShape, LogprobLayout, RequestWants, UploadedLayout
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
-from cupyspec.logprobs.accept_gather import GatheredLogprobs, RowLogprobs, accept_and_gather, gathered_on_host
-from cupyspec.logprobs.layout import LayoutShape, LogprobLayout, RequestWants, UploadedLayout
 from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID, VerifyInput, VerifyOutput, verify
 from cupyspec.spec_decode.verification.verify_step import LogprobRequests, LogprobStream, launch_verify
 from cupyspec.text.token_text import TokenText

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+from spec_fixtures import decoding_seq
 
 from cupyspec.spec_decode.backoff.policy import best_drafts, draft_limits
 from cupyspec.spec_decode.backoff.step_cost import StepCost
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from spec_fixtures import decoding_seq
 
 CONFIG = SpeculativeConfig(method="ngram", num_speculative_tokens=5, max_draft_tokens_per_step=12,
                            min_acceptance_rate=0.2)

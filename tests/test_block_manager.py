@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.scheduling.sequence import Sequence
 
 

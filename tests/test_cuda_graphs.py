@@ -8,17 +8,17 @@ import asyncio
 
 import numpy as np
 import pytest
+from golden import GOLDEN_PROMPTS
 
-from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.attention import FEW_ROWS
+from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.model.cuda_graphs import BUCKETS
 from cupyspec.model.linear import GEMV_MAX_ROWS
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from golden import GOLDEN_PROMPTS
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cupyspec.text.detokenizer import DetokenizedDelta, IncrementalDetokenizer
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.text.detokenizer import DetokenizedDelta, IncrementalDetokenizer
 
 EOS = 0
 SPECIAL = 1

@@ -6,13 +6,19 @@ from __future__ import annotations
 from itertools import groupby
 
 import pytest
+from spec_fixtures import ConstantProposer, decoding_seq
 
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.backoff.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepShape
-from cupyspec.spec_decode.drafter import (EXPLORE_SEQS, EXPLORE_STEPS, MAX_BACKOFF, OVERHEAD_BUDGET_CAP,
-                                          SAME_ROWS_STREAK_FACTOR, Drafter)
+from cupyspec.spec_decode.drafter import (
+    EXPLORE_SEQS,
+    EXPLORE_STEPS,
+    MAX_BACKOFF,
+    OVERHEAD_BUDGET_CAP,
+    SAME_ROWS_STREAK_FACTOR,
+    Drafter,
+)
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from spec_fixtures import ConstantProposer, decoding_seq
 
 FREE = StepCost(1e-3, 0.0)  # drafts add nothing to a 1 ms step
 HOPELESS = StepCost(1e-3, 0.0, per_drafting_seq=3e-4)  # a drafting sequence adds 0.3 ms: 3 drafts never pay

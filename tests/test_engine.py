@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model_paths
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
@@ -13,7 +14,6 @@ from cupyspec.errors import EngineOverloadedError, InvalidRequestError
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from tiny_models import tiny_model_paths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

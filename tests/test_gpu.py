@@ -6,7 +6,6 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from golden import GOLDEN_PROMPTS, generate_greedy
 
 pytestmark = pytest.mark.gpu
@@ -114,8 +113,8 @@ def test_paged_attention_rows_are_batch_independent(shape):
 
 def test_cupy_logits_match_numpy_logits(default_model_path):
     from cupyspec.backend import select_backend
-    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
     from cupyspec.loader import load_model
+    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
     from cupyspec.model.kv_arrays import KVCacheArrays
     from cupyspec.model.llama import LlamaModel
 

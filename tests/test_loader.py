@@ -26,8 +26,7 @@ from tiny_models import (
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from cupyspec.loader import Tokenizer, load_model
-from cupyspec.loader import default_model
+from cupyspec.loader import Tokenizer, default_model, load_model
 from cupyspec.loader.gguf_file import read_tensor, unpermute_rope
 
 Q = gguf.GGMLQuantizationType

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model_paths
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
@@ -16,7 +17,6 @@ from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
 from cupyspec.text.token_text import TokenText
-from tiny_models import tiny_model_paths
 
 TOP = 3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=TOP)

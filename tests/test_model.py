@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from cupyspec.backend import select_backend
-from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
-from cupyspec.loader import load_model
-from cupyspec.model.kv_arrays import KVCacheArrays
-from cupyspec.model.llama import LlamaModel
 from reference_model import reference_logits
 from tiny_models import tiny_model_paths
+
+from cupyspec.backend import select_backend
+from cupyspec.loader import load_model
+from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
+from cupyspec.model.kv_arrays import KVCacheArrays
+from cupyspec.model.llama import LlamaModel
 
 BLOCK_SIZE = 4
 

@@ -8,15 +8,15 @@ import asyncio
 
 import numpy as np
 import pytest
+from test_engine import collect, prompts
+from test_engine import make_engine as make_tiny_engine
+from tiny_models import tiny_model_paths
 
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.backoff.step_cost import StepCost
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from test_engine import collect, prompts
-from test_engine import make_engine as make_tiny_engine
-from tiny_models import tiny_model_paths
 
 
 @pytest.fixture(scope="module")

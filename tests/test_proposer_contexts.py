@@ -7,8 +7,8 @@ import pytest
 
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.scheduling.sequence import Sequence
-from cupyspec.spec_decode.proposers.contexts import Contexts
 from cupyspec.spec_decode.proposers.base import unseen_tokens
+from cupyspec.spec_decode.proposers.contexts import Contexts
 
 
 def test_contexts_follow_growth_placeholders_and_shorter_reads():

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
 from cupyspec.spec_decode.proposers.chain import ChainProposer
 from cupyspec.spec_decode.proposers.factory import make_proposer
 from cupyspec.spec_decode.proposers.ngram import NgramProposer
-from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
 from cupyspec.spec_decode.proposers.suffix import INSERT_CHUNK, SuffixProposer, SuffixTree
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from cupyspec.config import SchedulerConfig
-from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence, SequenceStatus
 

@@ -19,8 +19,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from server_fixtures import LiveServer, render_records, tiny_config
 
-from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.server.app import create_app
 from cupyspec.server.logprobs import completion_draft_logprobs, merge_completion_logprobs, text_offsets

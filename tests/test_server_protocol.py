@@ -14,8 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from server_fixtures import render_records
 
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
-from cupyspec.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
+from cupyspec.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from cupyspec.server.app import create_app
 from cupyspec.server.errors import APIError, to_api_error
 from cupyspec.server.logprobs import completion_logprobs

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from spec_fixtures import DRAFTED_TOKEN, ConstantProposer, decoding_seq
 
 from cupyspec.spec_decode.backoff.step_cost import StepCost, StepShape
 from cupyspec.spec_decode.drafter import Drafter
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from spec_fixtures import DRAFTED_TOKEN, ConstantProposer, decoding_seq
 
 
 @pytest.mark.parametrize("emitted, recovers", [(DRAFTED_TOKEN, True), (DRAFTED_TOKEN + 1, False)])

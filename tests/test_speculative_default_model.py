@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from bench_datasets import DatasetSpec, load_prompts
+from golden import GOLDEN_PROMPTS
+
 from cupyspec.config import EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
-from golden import GOLDEN_PROMPTS
 
 MAX_TOKENS = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from tiny_models import tiny_model_paths
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
@@ -17,7 +18,6 @@ from cupyspec.spec_decode.backoff.step_cost import StepCost
 from cupyspec.spec_decode.drafter import EXPLORE_STEPS
 from cupyspec.spec_decode.proposers.base import Drafts, Proposer
 from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
-from tiny_models import tiny_model_paths
 
 REPEAT = [7, 8, 9, 10, 11, 12] * 6  # a prompt the ngram proposer can draft from
 

@@ -9,8 +9,14 @@ from dataclasses import astuple
 import numpy as np
 import pytest
 
-from cupyspec.spec_decode.backoff.step_cost import (MAX_OUTLIER_RUN, REFIT_STEPS, StepCost, StepCostModel, StepShape,
-                                                    load_band)
+from cupyspec.spec_decode.backoff.step_cost import (
+    MAX_OUTLIER_RUN,
+    REFIT_STEPS,
+    StepCost,
+    StepCostModel,
+    StepShape,
+    load_band,
+)
 
 
 def _drafting_episodes(model: StepCostModel, rng: np.random.Generator, device_bound: bool) -> None:

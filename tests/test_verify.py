@@ -202,7 +202,6 @@ def test_greedy_strategy_on_random_rows_accepts_the_argmax_and_emits_a_sample() 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_penalties_see_the_drafts_before_each_row(temperature: float) -> None:
-    vocab = 6
     params = SamplingParams(temperature=temperature, frequency_penalty=1.5)
     base = np.array([0.0, 1.8, 0.0, 2.5, 0.0, -1.0], dtype=np.float32)  # token 3 leads by 0.7
     logits = np.tile(base, (2, 1))

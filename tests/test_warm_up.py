@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_engine import collect, prompts
+from tiny_models import tiny_model_paths
 
 import cupyspec.engine.warm_up as warm_up_module
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from test_engine import collect, prompts
-from tiny_models import tiny_model_paths
 
 
 @pytest.fixture(scope="module")

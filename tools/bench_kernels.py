@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-
 # H100 SXM peaks: HBM3 bandwidth, dense fp16 tensor-core throughput with fp32 accumulation
 PEAK_BYTES_PER_S = 3.35e12
 PEAK_FLOPS = 989e12

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.model.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.attention import paged_attention_cuda
+from cupyspec.model.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
 from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, rope_and_cache, swiglu
 from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 from cupyspec.sampling.params import SamplingParams

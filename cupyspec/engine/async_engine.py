@@ -16,29 +16,29 @@ from jinja2 import TemplateError
 from cupyspec.backend import Backend, limit_cpu_threads, select_backend
 from cupyspec.config import EngineConfig
 from cupyspec.engine.admission import check_request
-from cupyspec.text.detokenizer import IncrementalDetokenizer
+from cupyspec.engine.output_processor import OutputProcessor, RequestState
+from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
+from cupyspec.engine.warm_up import run_warm_up
+from cupyspec.engine.worker import InlineSteps, StepThread
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
-from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.loader import LoadedModel, load_model
-from cupyspec.text.tokenizer import Tokenizer
 from cupyspec.metrics import EngineMetrics
 from cupyspec.model.kv_arrays import KVCacheArrays, kv_cache_blocks
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
-from cupyspec.engine.output_processor import OutputProcessor, RequestState
 from cupyspec.outputs import RequestOutput
-from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
+from cupyspec.scheduling.block_manager import BlockManager
 from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.backoff.step_cost import StepShape
 from cupyspec.spec_decode.drafter import Drafter
 from cupyspec.spec_decode.proposers.factory import make_proposer
-from cupyspec.spec_decode.stats import SpecStats
-from cupyspec.spec_decode.backoff.step_cost import StepShape
 from cupyspec.spec_decode.speculative_config import RequestSpeculation
-from cupyspec.engine.warm_up import run_warm_up
-from cupyspec.engine.worker import InlineSteps, StepThread
+from cupyspec.spec_decode.stats import SpecStats
+from cupyspec.text.detokenizer import IncrementalDetokenizer
+from cupyspec.text.tokenizer import Tokenizer
 
 log = logging.getLogger("cupyspec")
 

@@ -8,15 +8,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cupyspec.text.detokenizer import IncrementalDetokenizer
-from cupyspec.metrics import EngineMetrics
-from cupyspec.outputs import (CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob,
-                              merge_deltas)
 from cupyspec.engine.runner import SeqStepOutput
 from cupyspec.logprobs.logprob_json import LogprobsJSON
+from cupyspec.metrics import EngineMetrics
+from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob, merge_deltas
 from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.stats import SpecStats
+from cupyspec.text.detokenizer import IncrementalDetokenizer
 
 
 class OutputChannel:

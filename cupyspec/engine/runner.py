@@ -23,14 +23,14 @@ import numpy as np
 
 from cupyspec.backend import Backend
 from cupyspec.engine.step_inputs import StepInputs, prepare_inputs
-from cupyspec.model.batch import DeviceBatch
 from cupyspec.logprobs.graphs import LogprobGraphs
+from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
+from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
+from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
-from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
 from cupyspec.sampling.sampler import SamplerOutput, max_logprobs, sample_tokens_on_device
 from cupyspec.scheduling.scheduler import SchedulerOutput
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
@@ -38,7 +38,6 @@ from cupyspec.spec_decode.verification.verify import VerifyInput
 from cupyspec.spec_decode.verification.verify_step import LogprobStream, PendingVerdict, StepVerdict, launch_verify
 from cupyspec.text.token_text import TokenBytes, TokenText
 from cupyspec.transfer import HostTransfer, to_device
-
 
 SAMPLER_ARRAYS = 4  # sample_on_device's arrays when a row asks for logprobs: tokens, logprobs, top ids and logprobs
 

@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 
 from cupyspec.kernels import load_kernel
-from cupyspec.logprobs.logprob_json import LogprobRenderer
-from cupyspec.logprobs.logsoftmax_topk import (KERNEL_MAX_K, NULL_POINTER, launch_top_logprobs,
-                                        top_logprobs_on_device)
 from cupyspec.logprobs.layout import LayoutArrays, UploadedLayout
+from cupyspec.logprobs.logprob_json import LogprobRenderer
+from cupyspec.logprobs.logsoftmax_topk import KERNEL_MAX_K, NULL_POINTER, launch_top_logprobs, top_logprobs_on_device
 from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID
 
 THREADS = 256  # one block; cuda/accept_gather.cu scans with at most 1024

@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.logprobs.logprob_json import LogprobRenderer
-from cupyspec.logprobs.logsoftmax_topk import KERNEL_MAX_K, DeviceRows, launch_top_logprobs
 from cupyspec.logprobs.accept_gather import RowLogprobs, gather_size, launch_gather
 from cupyspec.logprobs.layout import LayoutShape, RequestWants, UploadedLayout, expand_on_device
+from cupyspec.logprobs.logprob_json import LogprobRenderer
+from cupyspec.logprobs.logsoftmax_topk import KERNEL_MAX_K, DeviceRows, launch_top_logprobs
 from cupyspec.transfer import HostTransfer
 
 log = logging.getLogger("cupyspec")

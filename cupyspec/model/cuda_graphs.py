@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.model.batch import DeviceBatch, FlatBatch
 from cupyspec.kernels import programmatic_launches
+from cupyspec.model.batch import DeviceBatch, FlatBatch
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 from cupyspec.backend import Backend
-from cupyspec.model.batch import DeviceBatch
 from cupyspec.config import ModelConfig
-from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.attention import paged_attention, paged_attention_cuda
+from cupyspec.model.batch import DeviceBatch
+from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import add_linear, linear

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device, stable_argsort
+from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.penalties import apply_penalties
 from cupyspec.transfer import fetch_arrays, to_device

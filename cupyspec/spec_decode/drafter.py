@@ -21,13 +21,13 @@ import time
 from collections.abc import Sequence as Seq
 
 from cupyspec.scheduling.sequence import Sequence
-from cupyspec.spec_decode.proposers.contexts import Contexts
 from cupyspec.spec_decode.backoff.policy import draft_limits
-from cupyspec.spec_decode.proposers.base import DraftRequest, Proposer
 from cupyspec.spec_decode.backoff.shadow import ShadowProbes
-from cupyspec.spec_decode.stats import SpecStats
 from cupyspec.spec_decode.backoff.step_cost import StepCostModel, StepShape, load_band
+from cupyspec.spec_decode.proposers.base import DraftRequest, Proposer
+from cupyspec.spec_decode.proposers.contexts import Contexts
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+from cupyspec.spec_decode.stats import SpecStats
 
 OVERHEAD_SHARE = 0.01  # of each step's wall time, for the overhead budget (module docstring)
 OVERHEAD_BUDGET_CAP = 0.005  # seconds the overhead budget may save up

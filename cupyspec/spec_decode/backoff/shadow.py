@@ -16,8 +16,8 @@ from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
 from cupyspec.scheduling.sequence import Sequence
-from cupyspec.spec_decode.proposers.contexts import Contexts
 from cupyspec.spec_decode.proposers.base import DraftRequest, Proposer
+from cupyspec.spec_decode.proposers.contexts import Contexts
 
 PROBE_INTERVAL = 1  # a sequence's decode steps between its shadow probes
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cupyspec.spec_decode.proposers.ngram import NgramProposer
 from cupyspec.spec_decode.proposers.base import NaiveProposer, Proposer
+from cupyspec.spec_decode.proposers.ngram import NgramProposer
 from cupyspec.spec_decode.proposers.suffix import SuffixProposer
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 

@@ -12,8 +12,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from cupyspec.sampling.sampler import (RankedProbs, SamplingRow, drawn_rows, inverse_cdf, penalized_logits,
-                                       pick_tokens, row_uniforms)
+from cupyspec.sampling.sampler import (
+    RankedProbs,
+    SamplingRow,
+    drawn_rows,
+    inverse_cdf,
+    penalized_logits,
+    pick_tokens,
+    row_uniforms,
+)
 from cupyspec.transfer import to_device
 
 

@@ -32,9 +32,9 @@ import numpy as np
 
 from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.sampler import SamplingRow, drawn_rows, penalized_logits
+from cupyspec.spec_decode.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
 from cupyspec.spec_decode.verification.accept_runs import accept_runs, greedy_runs
 from cupyspec.spec_decode.verification.target_probs import DraftLayout, TargetRows, draft_scores, score_rows
-from cupyspec.spec_decode.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
 from cupyspec.transfer import fetch_arrays, to_device
 
 PLACEHOLDER_TOKEN_ID = -1  # fills the fixed-shape output past each request's emitted tokens

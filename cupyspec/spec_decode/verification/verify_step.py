@@ -22,12 +22,18 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from cupyspec.logprobs.accept_gather import (
+    GatheredLogprobs,
+    RowLogprobs,
+    accept_and_gather,
+    emitted_rows,
+    gathered_on_host,
+    rendered_on_host,
+)
 from cupyspec.logprobs.graphs import LogprobGraphs
-from cupyspec.outputs import DraftLogprob, TokenLogprob
-from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON
-from cupyspec.logprobs.accept_gather import (GatheredLogprobs, RowLogprobs, accept_and_gather, emitted_rows,
-                                         gathered_on_host, rendered_on_host)
 from cupyspec.logprobs.layout import LogprobLayout, RequestWants, draft_offsets
+from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON
+from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.spec_decode.verification.verify import VerifyInput, verify_on_device
 from cupyspec.transfer import HostTransfer
 
