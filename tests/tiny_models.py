@@ -108,6 +108,23 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
+def random_head_weights(spec: TinySpec, seed: int = 1) -> dict[str, np.ndarray]:
+    """An MTP head for a tiny model (cupyspec/model/mtp.py's names), scaled as `random_weights`."""
+    layer = random_weights(TinySpec(**{**spec.__dict__, "layers": 1}), seed)
+    rng = np.random.default_rng(seed + 1000)
+    head = {name.replace("model.layers.0.", "mtp.layer."): w for name, w in layer.items() if "layers.0." in name}
+    head["mtp.enorm.weight"] = (1.0 + 0.1 * rng.standard_normal(spec.hidden)).astype(np.float32)
+    head["mtp.hnorm.weight"] = (1.0 + 0.1 * rng.standard_normal(spec.hidden)).astype(np.float32)
+    head["mtp.eh_proj.weight"] = (rng.standard_normal((spec.hidden, 2 * spec.hidden))
+                                  / np.sqrt(2 * spec.hidden)).astype(np.float32)
+    return head
+
+
+def write_head_file(path: Path, head: dict[str, np.ndarray], format_name: str = "cupyspec-mtp-v1") -> Path:
+    save_file(head, str(path), metadata={"format": format_name})
+    return path
+
+
 def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)

@@ -19,17 +19,20 @@ class KVCacheArrays:
     owns, takes the K/V of the padding rows of a CUDA-graph step.
     """
 
-    def __init__(self, xp: Any, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> None:
-        shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        self.k = xp.zeros(shape, dtype=dtype)  # [L, num_blocks + 1, block_size, Hkv, D]
-        self.v = xp.zeros(shape, dtype=dtype)  # [L, num_blocks + 1, block_size, Hkv, D]
+    def __init__(self, xp: Any, config: ModelConfig, num_blocks: int, block_size: int, dtype: Any,
+                 extra_layers: int = 0) -> None:
+        """extra_layers: layers past the target's, for an MTP head's K/V (the head's is layer L)."""
+        shape = (config.num_layers + extra_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        self.k = xp.zeros(shape, dtype=dtype)  # [L + extra, num_blocks + 1, block_size, Hkv, D]
+        self.v = xp.zeros(shape, dtype=dtype)  # [L + extra, num_blocks + 1, block_size, Hkv, D]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any) -> int:
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: Any, extra_layers: int = 0) -> int:
+        return (2 * (config.num_layers + extra_layers) * block_size * config.num_kv_heads * config.head_dim
+                * np.dtype(dtype).itemsize)
 
 
 def kv_cache_blocks(cache: CacheConfig, backend: Backend, bytes_per_block: int) -> int:

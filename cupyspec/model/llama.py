@@ -31,38 +31,39 @@ class LayerWeights:
     down: Any  # [H, F]
 
 
+def matrix(xp: Any, dtype: Any, weights: dict[str, np.ndarray], *names: str) -> Any:
+    """HF [out, in] matrices, concatenated on out, on the device in `dtype`."""
+    return xp.asarray(np.concatenate([weights[n] for n in names], axis=0), dtype=dtype)
+
+
+def layer_weights(weights: dict[str, np.ndarray], prefix: str, config: ModelConfig, backend: Backend) -> LayerWeights:
+    """The decoder layer whose HF tensor names start with `prefix` (e.g. "model.layers.3.")."""
+    xp, dt = backend.xp, backend.dtype
+    attn = [f"{prefix}self_attn.{n}_proj" for n in ("q", "k", "v")]
+    bias = None
+    if config.attention_bias:
+        bias = xp.asarray(np.concatenate([weights[f"{a}.bias"] for a in attn]), dtype=np.float32)
+    return LayerWeights(
+        input_norm=xp.asarray(weights[f"{prefix}input_layernorm.weight"], dtype=np.float32),
+        qkv=matrix(xp, dt, weights, *(f"{a}.weight" for a in attn)),
+        qkv_bias=bias,
+        o=matrix(xp, dt, weights, f"{prefix}self_attn.o_proj.weight"),
+        post_norm=xp.asarray(weights[f"{prefix}post_attention_layernorm.weight"], dtype=np.float32),
+        gate_up=matrix(xp, dt, weights, f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"),
+        down=matrix(xp, dt, weights, f"{prefix}mlp.down_proj.weight"),
+    )
+
+
 class LlamaModel:
     """Weights on the backend's device, and the forward pass."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend) -> None:
         xp, dt = backend.xp, backend.dtype
         self.config, self.backend = config, backend
-
-        def matrix(*names: str) -> Any:  # HF [out, in] matrices, concatenated on out
-            return xp.asarray(np.concatenate([weights[n] for n in names], axis=0), dtype=dt)
-
-        def vector(name: str) -> Any:
-            return xp.asarray(weights[name], dtype=np.float32)
-
-        self.layers: list[LayerWeights] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-            bias = None
-            if config.attention_bias:
-                bias = xp.asarray(np.concatenate([weights[f"{a}.bias"] for a in attn]), dtype=np.float32)
-            self.layers.append(LayerWeights(
-                input_norm=vector(f"{p}input_layernorm.weight"),
-                qkv=matrix(*(f"{a}.weight" for a in attn)),
-                qkv_bias=bias,
-                o=matrix(f"{p}self_attn.o_proj.weight"),
-                post_norm=vector(f"{p}post_attention_layernorm.weight"),
-                gate_up=matrix(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
-                down=matrix(f"{p}mlp.down_proj.weight"),
-            ))
+        self.layers = [layer_weights(weights, f"model.layers.{i}.", config, backend) for i in range(config.num_layers)]
         self.embed = xp.asarray(weights["model.embed_tokens.weight"], dtype=dt)  # [V, H]
-        self.lm_head = self.embed if config.tie_word_embeddings else matrix("lm_head.weight")  # [V, H]
-        self.final_norm = vector("model.norm.weight")  # [H]
+        self.lm_head = self.embed if config.tie_word_embeddings else matrix(xp, dt, weights, "lm_head.weight")  # [V, H]
+        self.final_norm = xp.asarray(weights["model.norm.weight"], dtype=np.float32)  # [H]
         self.rope_cos, self.rope_sin = rope_tables(xp, config.head_dim, config.rope_theta,
                                                    config.max_position_embeddings)  # [P, D/2] each
 
@@ -71,19 +72,31 @@ class LlamaModel:
 
         Only device work: no host transfer or synchronization, so that a CUDA graph can capture it.
         """
-        xp, dt, c = self.backend.xp, self.backend.dtype, self.config
-        num_tokens = batch.num_tokens
-        q_width = c.num_heads * c.head_dim
-        scale = 1.0 / float(np.sqrt(c.head_dim))
-        eps = c.rms_norm_eps
-        residual = embed_tokens(xp, self.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32 residual
+        return self.final_normed(self.forward_residual(batch, kv))
+
+    def forward_residual(self, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
+        """Run every layer over the batch, writing its K/V; returns the residual stream after the last
+        layer, before the final norm [T, H] fp32 (the hidden state an MTP head reads)."""
+        residual = embed_tokens(self.backend.xp, self.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32
         for i, w in enumerate(self.layers):
-            q = norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, self.rope_cos, self.rope_sin,
-                              batch.positions, batch.slot_mapping, kv.k[i], kv.v[i])  # [T, Hq, D]
-            attn = self._attention(q, kv.k[i], kv.v[i], batch, scale)  # [T, Hq, D]
-            add_linear(xp, residual, attn.reshape(num_tokens, q_width), w.o)
-            add_linear(xp, residual, norm_gate_up_swiglu(xp, residual, w.post_norm, eps, w.gate_up), w.down)
-        return rms_norm(xp, residual, self.final_norm, eps, dt)
+            self.run_layer(residual, w, kv.k[i], kv.v[i], batch)
+        return residual
+
+    def run_layer(self, residual: Any, w: LayerWeights, k_cache: Any, v_cache: Any, batch: DeviceBatch) -> None:
+        """One decoder layer over the batch, in place on residual [T, H] fp32, writing the layer's K/V
+        at the batch's slots; the target's RoPE tables, norm eps and attention serve any layer of its
+        shape (an MTP head's too)."""
+        xp, c = self.backend.xp, self.config
+        num_tokens, eps = residual.shape[0], c.rms_norm_eps
+        q = norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, self.rope_cos, self.rope_sin,
+                          batch.positions, batch.slot_mapping, k_cache, v_cache)  # [T, Hq, D]
+        attn = self._attention(q, k_cache, v_cache, batch, 1.0 / float(np.sqrt(c.head_dim)))  # [T, Hq, D]
+        add_linear(xp, residual, attn.reshape(num_tokens, c.num_heads * c.head_dim), w.o)
+        add_linear(xp, residual, norm_gate_up_swiglu(xp, residual, w.post_norm, eps, w.gate_up), w.down)
+
+    def final_normed(self, residual: Any) -> Any:
+        """residual [T, H] fp32 -> the final norm's output [T, H] in the weights' dtype."""
+        return rms_norm(self.backend.xp, residual, self.final_norm, self.config.rms_norm_eps, self.backend.dtype)
 
     def _attention(self, q: Any, k_cache: Any, v_cache: Any, batch: DeviceBatch, scale: float) -> Any:
         """Paged attention of q [T, Hq, D]: the CUDA kernel on a GPU, else its twin."""

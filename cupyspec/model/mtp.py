@@ -1,0 +1,111 @@
+"""The MTP head: DeepSeek-V3's multi-token prediction module for a llama-family target.
+
+One head step at position i reads a hidden state s_i [H] and the token x at position i+1:
+
+    e = RMSNorm(embed[x]; enorm)                  the target's embedding, shared
+    g = RMSNorm(s_i; hnorm)
+    u = concat(e, g) @ eh_proj.T                  eh_proj [H, 2H], the embedding half first
+    r = decoder layer of the target's shape (u)   causal attention over the head's own K/V at 0..i
+    logits = lm_head(final_norm(r))               the target's final norm and LM head, shared
+
+The logits predict the token at position i+2; r, the head's residual after its layer (before any
+norm), is the hidden state of the next step. The first step after the target emitted token t_m
+reads the target's hidden state at m-1 (its last layer's residual, before the final norm) and
+t_m, and drafts the token at m+1; step j > 1 reads step j-1's r and draft, one position further.
+Run over positions whose next token is known (a prompt, a verified step's accepted tokens) with
+the target's hidden states, the head writes its K/V there for later steps to attend to.
+
+The head's file is safetensors with the tensor names below (HF [out, in] layout) and metadata
+"format": FORMAT; the embedding, final norm and LM head are the target's and not stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from cupyspec.config import ModelConfig
+from cupyspec.model.batch import DeviceBatch
+from cupyspec.model.kv_arrays import KVCacheArrays
+from cupyspec.model.linear import linear
+from cupyspec.model.llama import LlamaModel, layer_weights
+from cupyspec.model.ops import rms_norm
+
+FORMAT = "cupyspec-mtp-v1"
+PREFIX = "mtp."
+LAYER_PREFIX = "mtp.layer."
+
+
+def head_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a head file holds for a target of `config`, with its shape."""
+    h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    shapes = {"mtp.enorm.weight": (h,), "mtp.hnorm.weight": (h,), "mtp.eh_proj.weight": (h, 2 * h),
+              f"{LAYER_PREFIX}input_layernorm.weight": (h,), f"{LAYER_PREFIX}post_attention_layernorm.weight": (h,),
+              f"{LAYER_PREFIX}self_attn.q_proj.weight": (q, h), f"{LAYER_PREFIX}self_attn.k_proj.weight": (kv, h),
+              f"{LAYER_PREFIX}self_attn.v_proj.weight": (kv, h), f"{LAYER_PREFIX}self_attn.o_proj.weight": (h, q),
+              f"{LAYER_PREFIX}mlp.gate_proj.weight": (f, h), f"{LAYER_PREFIX}mlp.up_proj.weight": (f, h),
+              f"{LAYER_PREFIX}mlp.down_proj.weight": (h, f)}
+    if config.attention_bias:
+        shapes |= {f"{LAYER_PREFIX}self_attn.q_proj.bias": (q,), f"{LAYER_PREFIX}self_attn.k_proj.bias": (kv,),
+                   f"{LAYER_PREFIX}self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def load_head_weights(path: str | Path, config: ModelConfig, sha256: str | None = None) -> dict[str, np.ndarray]:
+    """A head file's tensors as float32, checked against the target's shapes (and the file's sha256
+    when given); ValueError names what does not fit."""
+    path = Path(path)
+    if sha256 is not None:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != sha256:
+            raise ValueError(f"MTP head {path}: sha256 {digest}, expected {sha256}")
+    with safe_open(str(path), framework="numpy") as file:
+        metadata = file.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"MTP head {path}: metadata format {metadata.get('format')!r}, expected {FORMAT!r}")
+    tensors = load_file(str(path))
+    expected = head_tensor_shapes(config)
+    missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"MTP head {path} does not fit the target: missing {missing}, unknown {unknown}")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise ValueError(f"MTP head {path}: {name} has shape {tensors[name].shape}, the target needs {shape}")
+    return {name: array.astype(np.float32) for name, array in tensors.items()}
+
+
+class MTPHead:
+    """The head's weights on the target's device, and its step; its K/V is the pool's layer
+    `kv_layer` (KVCacheArrays made with one extra layer), addressed by the target's block tables."""
+
+    def __init__(self, target: LlamaModel, weights: dict[str, np.ndarray]) -> None:
+        backend, config = target.backend, target.config
+        xp = backend.xp
+        self.target = target
+        self.enorm = xp.asarray(weights["mtp.enorm.weight"], dtype=np.float32)  # [H]
+        self.hnorm = xp.asarray(weights["mtp.hnorm.weight"], dtype=np.float32)  # [H]
+        self.eh_proj = xp.asarray(weights["mtp.eh_proj.weight"], dtype=backend.dtype)  # [H, 2H]
+        self.layer = layer_weights(weights, LAYER_PREFIX, config, backend)
+        self.kv_layer = config.num_layers
+
+    def step(self, hidden: Any, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
+        """hidden [T, H] fp32 (the target's pre-norm hidden states, or the head's own) over a batch
+        whose input ids [T] are the token after each row's position -> the head's residual r [T, H]
+        fp32, its K/V written at the batch's slots."""
+        xp, dt, eps = self.target.backend.xp, self.target.backend.dtype, self.target.config.rms_norm_eps
+        embedded = self.target.embed[batch.input_ids]  # [T, H]
+        joined = xp.concatenate([rms_norm(xp, embedded, self.enorm, eps, dt),
+                                 rms_norm(xp, hidden, self.hnorm, eps, dt)], axis=1)  # [T, 2H]
+        residual = linear(xp, joined, self.eh_proj, np.float32)  # [T, H] fp32
+        self.target.run_layer(residual, self.layer, kv.k[self.kv_layer], kv.v[self.kv_layer], batch)
+        return residual
+
+    def logits(self, residual: Any) -> Any:
+        """The head's residual [R, H] -> logits [R, V] fp32 through the target's final norm and LM head."""
+        return self.target.compute_logits(self.target.final_normed(residual))
