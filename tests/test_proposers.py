@@ -12,6 +12,7 @@ import pytest
 from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
 from cupyspec.spec_decode.proposers.chain import ChainProposer
 from cupyspec.spec_decode.proposers.factory import make_proposer
+from cupyspec.spec_decode.proposers.mtp import MTPProposer
 from cupyspec.spec_decode.proposers.ngram import NgramProposer
 from cupyspec.spec_decode.proposers.suffix import INSERT_CHUNK, SuffixProposer, SuffixTree
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
@@ -374,6 +375,10 @@ def test_the_factory_builds_the_configured_proposer() -> None:
     assert isinstance(suffix, SuffixProposer)
     assert (suffix.max_tree_depth, suffix.max_cached_requests, suffix.max_spec_factor, suffix.min_token_prob) == (
         16, 5, 2.0, 0.2)
-    with pytest.raises(NotImplementedError, match="mtp"):
-        make_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=1, model="weights"))
+    assert isinstance(make_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=1, model="head")),
+                      MTPProposer)
+    hybrid = make_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=5, num_model_steps=2, model="head",
+                                             mtp_strategy="with_ngram"))
+    assert isinstance(hybrid, ChainProposer) and isinstance(hybrid.first, MTPProposer)
+    assert isinstance(hybrid.second, NgramProposer) and hybrid.first_count == 2
     assert NaiveProposer().propose([]) == [] and len(NO_DRAFTS) == 0

@@ -35,6 +35,7 @@ from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.backoff.step_cost import StepShape
 from cupyspec.spec_decode.drafter import Drafter
 from cupyspec.spec_decode.proposers.factory import make_proposer
+from cupyspec.spec_decode.proposers.mtp import make_mtp_drafting
 from cupyspec.spec_decode.speculative_config import RequestSpeculation
 from cupyspec.spec_decode.stats import SpecStats
 from cupyspec.text.detokenizer import IncrementalDetokenizer
@@ -91,16 +92,20 @@ class AsyncEngine:
             raise ValueError(f"max_model_len {requested} exceeds the model's context length {context}")
         self.max_model_len = requested or context
         model = LlamaModel(loaded.config, loaded.weights, backend)
+        proposer = make_proposer(config.speculative)
+        mtp = make_mtp_drafting(config.speculative, model, proposer, self.max_model_len)
+        heads = int(mtp is not None)  # an MTP head's K/V is one more layer of the pool
         block_size = config.cache.block_size
         num_blocks = kv_cache_blocks(config.cache, backend,
-                                     KVCacheArrays.bytes_per_block(loaded.config, block_size, backend.dtype))
-        kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype)
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
+                                     KVCacheArrays.bytes_per_block(loaded.config, block_size, backend.dtype, heads))
+        kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype, heads)
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, bool(heads))
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   config.speculative.num_model_steps - 1 if heads else 0)
+        graphed = config.cuda_graphs and mtp is None  # the head runs on eager steps
+        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if graphed else 0
         self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
-                                  self.max_model_len, config.scheduler.max_num_seqs, self.tokenizer)
-        proposer = make_proposer(config.speculative)
+                                  self.max_model_len, config.scheduler.max_num_seqs, self.tokenizer, mtp)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.metrics = EngineMetrics(self.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished, config.stream_interval)
@@ -341,8 +346,9 @@ class AsyncEngine:
 
     def _can_overlap(self) -> bool:
         """Whether a draft-free step may be formed before the host has the tokens of the one in flight:
-        not while penalties need every token on the host."""
-        return self.config.overlap_scheduling and not self.outputs.num_penalized
+        not while penalties need every token on the host, nor with an MTP head, whose next drafts
+        come with the step's results."""
+        return self.config.overlap_scheduling and not self.outputs.num_penalized and self.runner.mtp is None
 
     def _on_sequence_finished(self, seq: Sequence) -> None:
         if self.drafter is not None:

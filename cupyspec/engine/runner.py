@@ -33,6 +33,7 @@ from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.sampler import SamplerOutput, max_logprobs, sample_tokens_on_device
 from cupyspec.scheduling.scheduler import SchedulerOutput
+from cupyspec.spec_decode.proposers.mtp import MTPDrafting
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from cupyspec.spec_decode.verification.verify import VerifyInput
 from cupyspec.spec_decode.verification.verify_step import LogprobStream, PendingVerdict, StepVerdict, launch_verify
@@ -61,10 +62,12 @@ class LaunchedStep(NamedTuple):
     transfer: HostTransfer  # the sampled tokens (and logprobs) of a plain step, then the prompt logprobs
     num_sample_arrays: int  # how many of the transferred arrays sampling filled (0: none, or verified)
     verdict: PendingVerdict | None  # a speculative step's verification
+    mtp_drafts: HostTransfer | None = None  # the MTP head's drafts [S, num_model_steps] for the next step
 
     def ready(self) -> bool:
         """Whether its results, but a verified step's logprobs, are on the host (collecting would not wait)."""
-        return self.transfer.done() and (self.verdict is None or self.verdict.done())
+        return (self.transfer.done() and (self.verdict is None or self.verdict.done())
+                and (self.mtp_drafts is None or self.mtp_drafts.done()))
 
 
 def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
@@ -74,11 +77,15 @@ def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,
                  overlap_logprobs: bool = True, cuda_graph_max_tokens: int = 0, max_model_len: int = 0,
-                 max_num_seqs: int = 256, tokenizer: TokenBytes | None = None) -> None:
+                 max_num_seqs: int = 256, tokenizer: TokenBytes | None = None,
+                 mtp: MTPDrafting | None = None) -> None:
         """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none).
-        tokenizer: the tokens' bytes, for logprobs rendered as chat JSON entries."""
+        tokenizer: the tokens' bytes, for logprobs rendered as chat JSON entries.
+        mtp: the MTP head's drafting, run at the end of every step (eager steps only)."""
+        if mtp is not None and cuda_graph_max_tokens:
+            raise ValueError("MTP drafting runs on eager steps: cuda_graph_max_tokens must be 0")
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
-        self.tokenizer = tokenizer
+        self.tokenizer, self.mtp = tokenizer, mtp
         xp = backend.xp
         cuda = xp.cuda if backend.is_cuda else None
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
@@ -102,39 +109,57 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The inputs of the step `sched` forms (step_inputs.py)."""
-        return prepare_inputs(sched, self.kv.block_size)
+        return prepare_inputs(sched, self.kv.block_size, for_mtp=self.mtp is not None)
 
     def launch(self, inputs: StepInputs) -> LaunchedStep:
-        """Queue the forward pass, sampling or verification, logprobs and the copies of the results to
-        the host; on a GPU nothing waits for the device. Safe on the step thread."""
-        xp = self.backend.xp
+        """Queue the forward pass, sampling or verification, logprobs, the MTP head's drafting and the
+        copies of the results to the host; on a GPU nothing waits for the device. Safe on the step thread."""
         with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
-            target_logits, prompt_logits, static = self._logits(inputs)
-            arrays, verdict = [], None
-            if target_logits is not None and inputs.num_drafts.any():
-                verdict = launch_verify(
-                    xp, target_logits,
-                    VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
-                    inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
-                    self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs,
-                    inputs.first_rows if static else None)
-            elif target_logits is not None:
-                tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
-                self.sampled_tokens[:len(inputs.owners)] = tokens
-                k = max_logprobs(inputs.sampling)
-                replayed = self._replay_logprobs(tokens, k, inputs) if static and prompt_logits is None else None
-                if replayed is not None:
-                    return LaunchedStep(inputs, replayed, SAMPLER_ARRAYS + int(inputs.logprobs.renders), None)
-                arrays = [tokens] if k is None else [tokens, *logprobs_on_device(xp, target_logits, tokens, k)]
-                if inputs.logprobs.renders:  # each row is its request's: entries of its token
-                    rows = len(inputs.owners)
-                    arrays.append(self.renderer.render(xp, *arrays, k, to_device(xp, inputs.logprobs.render_k), rows,
-                                                       rows))
-            num_sample_arrays = len(arrays)
-            if prompt_logits is not None:
-                k_max = max(k for _, _, k in inputs.prompt_owner)
-                arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
-            return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
+            forward = self._forward(inputs)
+            step = self._sample_or_verify(inputs, forward)
+            if self.mtp is None:
+                return step
+            xp = self.backend.xp
+            boundary_rows = to_device(xp, inputs.first_rows)  # [S]: each sampling sequence's last accepted row
+            if step.verdict is not None:
+                runs = step.verdict.runs_on_device  # [2, S]: accepted drafts, emitted token
+                boundary_rows, boundary_tokens = boundary_rows + runs[0], runs[1]
+            else:
+                boundary_tokens = self.sampled_tokens[:len(inputs.owners)]
+            drafts = self.mtp.run(forward.residual, forward.batch, self.kv, inputs.next_token_ids, boundary_rows,
+                                  boundary_tokens)  # [S, num_model_steps]
+            return step._replace(mtp_drafts=HostTransfer(xp, [drafts]))
+
+    def _sample_or_verify(self, inputs: StepInputs, forward: _Forward) -> LaunchedStep:
+        """Sampling or verification of the step's target rows, and their logprobs, queued."""
+        xp = self.backend.xp
+        target_logits, prompt_logits, static = forward.target_logits, forward.prompt_logits, forward.static
+        arrays: list[Any] = []
+        verdict = None
+        if target_logits is not None and inputs.num_drafts.any():
+            verdict = launch_verify(
+                xp, target_logits,
+                VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
+                inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
+                self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs,
+                inputs.first_rows if static else None)
+        elif target_logits is not None:
+            tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
+            self.sampled_tokens[:len(inputs.owners)] = tokens
+            k = max_logprobs(inputs.sampling)
+            replayed = self._replay_logprobs(tokens, k, inputs) if static and prompt_logits is None else None
+            if replayed is not None:
+                return LaunchedStep(inputs, replayed, SAMPLER_ARRAYS + int(inputs.logprobs.renders), None)
+            arrays = [tokens] if k is None else [tokens, *logprobs_on_device(xp, target_logits, tokens, k)]
+            if inputs.logprobs.renders:  # each row is its request's: entries of its token
+                rows = len(inputs.owners)
+                arrays.append(self.renderer.render(xp, *arrays, k, to_device(xp, inputs.logprobs.render_k), rows,
+                                                   rows))
+        num_sample_arrays = len(arrays)
+        if prompt_logits is not None:
+            k_max = max(k for _, _, k in inputs.prompt_owner)
+            arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
+        return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
 
     def _replay_logprobs(self, tokens: Any, k: int | None, inputs: StepInputs) -> HostTransfer | None:
         """A plain step's logprobs of its sampled tokens [R] (top k) by a CUDA graph over the static
@@ -163,6 +188,8 @@ class ModelRunner:
             outputs[inputs.owners[s]] = out
         if inputs.prompt_owner:
             _add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
+        if step.mtp_drafts is not None:
+            self.mtp.proposer.remember(inputs.seq_ids, step.mtp_drafts.result()[0])
         return outputs
 
     @staticmethod
@@ -181,17 +208,21 @@ class ModelRunner:
         return list(map(tuple.__new__, repeat(SeqStepOutput), zip(token_ids, tokens, num_drafts, accepted, drafts,
                                                                    prompt_logprobs, rendered)))
 
-    def _logits(self, inputs: StepInputs) -> tuple[Any | None, Any | None, bool]:
-        """Logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows (None: no rows),
-        and whether every row's logits are in the graphs' static buffer too (a row per batch row).
+    def _forward(self, inputs: StepInputs) -> _Forward:
+        """The forward pass: logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows
+        (None: no rows), and whether every row's logits are in the graphs' static buffer too.
 
         Through a CUDA graph when one holds the batch (logits of every row come out); else eagerly,
-        with the LM head applied to the rows that need it only.
+        with the LM head applied to the rows that need it only, the pre-norm hidden states and the
+        device batch kept for an MTP head.
         """
         xp = self.backend.xp
         every_row = self.graphs.run(inputs.batch) if self.graphs is not None else None  # [T, V] or None
+        residual = batch = None
         if every_row is None:
-            hidden = self.model.forward(DeviceBatch.of(xp, inputs.batch, self.sampled_tokens), self.kv)  # [T, H]
+            batch = DeviceBatch.of(xp, inputs.batch, self.sampled_tokens)
+            residual = self.model.forward_residual(batch, self.kv)  # [T, H] fp32
+            hidden = self.model.final_normed(residual)  # [T, H]
 
         def rows_logits(rows: np.ndarray) -> Any:
             if every_row is None:
@@ -200,7 +231,17 @@ class ModelRunner:
 
         target_logits, prompt_logits = (rows_logits(rows) if len(rows) else None
                                         for rows in (inputs.target_rows, inputs.prompt_rows))
-        return target_logits, prompt_logits, every_row is not None
+        return _Forward(target_logits, prompt_logits, every_row is not None, residual, batch)
+
+
+class _Forward(NamedTuple):
+    """What a step's forward pass leaves for the rest of the step."""
+
+    target_logits: Any | None  # [R, V] f32
+    prompt_logits: Any | None  # [P, V] f32
+    static: bool  # every row's logits are in the graphs' static buffer too
+    residual: Any | None  # [T, H] fp32: pre-norm hidden states of an eager step
+    batch: DeviceBatch | None  # the eager step's device batch
 
 
 def _scattered(values: tuple, owners: tuple[int, ...], count: int) -> list:

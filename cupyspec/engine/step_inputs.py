@@ -33,6 +33,8 @@ class StepInputs(NamedTuple):
     prompt_rows: np.ndarray  # [P] int64: rows scoring the next prompt token
     prompt_targets: np.ndarray  # [P] int64: that next prompt token
     prompt_owner: tuple[tuple[int, int, int], ...]  # [P]: (scheduled index, target position, top k)
+    seq_ids: tuple[int, ...] = ()  # [S]: each sampling sequence's seq_id, for an MTP head
+    next_token_ids: np.ndarray | None = None  # [T] int32: the token after each row, for an MTP head
 
 
 def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
@@ -113,19 +115,25 @@ def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
     return drafts
 
 
-def prepare_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
+def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = False) -> StepInputs:
     """The flat batch of the scheduled segments (each a prefill chunk, one token, or [last token,
     d1..dk]), the rows that pick or verify tokens with their sampling rows and random draws, and the
-    rows that score prompt tokens for prompt logprobs."""
+    rows that score prompt tokens for prompt logprobs; for_mtp: also what an MTP head reads, the
+    sampling sequences' ids and the token after each row where the host knows it (a segment's next
+    one; 0 after a sampling segment's last row)."""
     token_ids: list[int] = []
+    next_token_ids: list[int] = []
     lengths, starts, block_ids = [], [], []
     targets, prompt = _TargetRows(), _PromptRows()
     row = 0
     for i, item in enumerate(sched.scheduled):
         seq, start, n = item.seq, item.num_computed_before, item.num_new_tokens
         drafts = seq.draft_token_ids[:item.num_lookahead_tokens]
-        token_ids += item.token_ids
-        token_ids += drafts
+        segment = item.token_ids + drafts
+        token_ids += segment
+        if for_mtp:
+            after = [0] if item.samples else seq.tokens(start + n, start + n + 1)
+            next_token_ids += segment[1:] + after
         lengths.append(n + len(drafts))
         starts.append(start)
         block_ids.append(seq.block_ids)
@@ -150,4 +158,6 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
         prompt_rows=np.array(prompt.rows, dtype=np.int64),
         prompt_targets=np.array(prompt.targets, dtype=np.int64),
         prompt_owner=tuple(prompt.owner),
+        seq_ids=tuple(sched.scheduled[i].seq.seq_id for i in targets.owners) if for_mtp else (),
+        next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
     )

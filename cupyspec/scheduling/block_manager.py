@@ -36,7 +36,10 @@ class BlockManager:
     evicted least recently used first when no free block remains).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 keys_include_next_token: bool = False) -> None:
+        """keys_include_next_token: a block's key covers the token after it too, and a block is cached
+        only once that token is known: an MTP head's K/V at a position depends on the next token."""
         if num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
         if block_size < 1:
@@ -44,6 +47,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.key_tokens = block_size + int(keys_include_next_token)  # tokens a block's key covers
         self._refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -84,7 +88,7 @@ class BlockManager:
         max_cached_blocks = (len(token_ids) - 1) // self.block_size
         parent = b""
         for i in range(max_cached_blocks):
-            key = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = block_hash(parent, token_ids[i * self.block_size:i * self.block_size + self.key_tokens])
             block = self._block_of_key.get(key)
             if block is None:
                 break
@@ -126,12 +130,12 @@ class BlockManager:
         if seq.num_computed_tokens > seq.num_tokens:
             raise ValueError("num_computed_tokens exceeds the sequence's tokens")
         state = self._seqs[seq.seq_id]
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens - self.key_tokens + self.block_size) // self.block_size
         if len(state.hashes) >= num_full:
             return
         parent = state.hashes[-1] if state.hashes else b""
         for i in range(len(state.hashes), num_full):
-            key = block_hash(parent, seq.tokens(i * self.block_size, (i + 1) * self.block_size))
+            key = block_hash(parent, seq.tokens(i * self.block_size, i * self.block_size + self.key_tokens))
             state.hashes.append(key)
             parent = key
             block = seq.block_ids[i]

@@ -53,9 +53,13 @@ class Scheduler:
     and blocks last; the head of the queue is never skipped.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 head_lookahead: int = 0) -> None:
+        """head_lookahead: KV slots reserved past each sampling segment, within the context length,
+        for the positions an MTP head's drafting steps write."""
         if max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        self.head_lookahead = head_lookahead
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -201,11 +205,12 @@ class Scheduler:
         if num_uncomputed < 1:
             raise RuntimeError(f"sequence {seq.seq_id} has no token to compute")
         num_new = min(num_uncomputed, budget)
-        lookahead = 0
+        lookahead = head_slots = 0
         if num_new == num_uncomputed:
             room = min(budget - num_new, self.max_model_len - num_tokens)
             lookahead = max(0, min(self.num_lookahead_tokens(seq), room))
-        if not self.block_manager.ensure_slots(seq, num_new + lookahead):
+            head_slots = max(0, min(self.head_lookahead, self.max_model_len - num_tokens - lookahead))
+        if not self.block_manager.ensure_slots(seq, num_new + lookahead + head_slots):
             return None
         return ScheduledSeq(seq, num_new, seq.num_computed_tokens, num_tokens, lookahead)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from cupyspec.spec_decode.proposers.base import NaiveProposer, Proposer
+from cupyspec.spec_decode.proposers.chain import ChainProposer
+from cupyspec.spec_decode.proposers.mtp import MTPProposer
 from cupyspec.spec_decode.proposers.ngram import NgramProposer
 from cupyspec.spec_decode.proposers.suffix import SuffixProposer
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
@@ -25,6 +27,8 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
             min_token_prob=config.suffix_decoding_min_token_prob,
         )
     if method == "mtp":
-        raise NotImplementedError("speculative method 'mtp' is not supported yet: MTP draft weights cannot be "
-                                  "loaded; use 'ngram' or 'suffix'")
+        if config.mtp_strategy == "with_ngram":
+            return ChainProposer(MTPProposer(), NgramProposer(config.ngram_min, config.ngram_max),
+                                 config.num_model_steps)
+        return MTPProposer()
     raise ValueError(f"unknown speculative method {method!r}")

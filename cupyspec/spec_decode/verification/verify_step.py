@@ -113,9 +113,13 @@ class PendingVerdict:
     """A verification on its way to the host: the verdict in a transfer of its own, then the logprobs
     in another, so that the verdict, which the next step needs, does not wait for them."""
 
-    def __init__(self, num_seqs: int, runs: HostTransfer, logprobs: HostTransfer | None = None,
+    def __init__(self, runs_on_device: Any, runs: HostTransfer, logprobs: HostTransfer | None = None,
                  records: Callable[[list[np.ndarray]], StepLogprobs] | None = None) -> None:
-        """records: the host records from the host copies of the logprobs' arrays."""
+        """runs_on_device [2, B] int64: each request's accepted drafts and emitted token, which device
+        work after verification reads (an MTP head); records: the host records from the host copies
+        of the logprobs' arrays."""
+        num_seqs = runs_on_device.shape[1]
+        self.runs_on_device = runs_on_device
         self._runs, self._logprobs, self._records = runs, logprobs, records
         self._none = StepLogprobs.none(num_seqs)  # none asked, or not yet
         self._read: StepLogprobs | None = None
@@ -153,7 +157,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
-        return PendingVerdict(len(inp.num_drafts), HostTransfer(xp, [runs]))
+        return PendingVerdict(runs, HostTransfer(xp, [runs]))
     wants = _wants(wanted)
     k = wanted.max_top_logprobs
     renderer = renderer if any(wants.rendered) else None
@@ -185,7 +189,7 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
                                               wants.rendered, rendered_on_host(host_arrays[0], on_device, k)),
                             _draft_logprobs(host, wants.fields.drafts, inp, wants.drafts, wanted.top_logprobs))
 
-    return PendingVerdict(len(inp.num_drafts), verdict, logprobs, records)
+    return PendingVerdict(runs, verdict, logprobs, records)
 
 
 class StepWants(NamedTuple):

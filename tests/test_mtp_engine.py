@@ -1,0 +1,168 @@
+"""MTP speculative decoding in the engine, on the CPU with tiny random heads: greedy outputs and
+logprobs as without speculation, the head's K/V consistent after rejected drafts and prefix hits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from reference_model import reference_hidden, reference_mtp_step
+from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file
+
+from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.loader import load_model
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec_decode.proposers.mtp import MTPProposer
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+PROMPTS = [[7, 8, 9, 10, 11, 12] * 4, [3, 4, 5, 3, 4, 5, 3, 4], list(range(20, 47))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[str, str]:
+    folder = tmp_path_factory.mktemp("mtp_engine")
+    gguf_path = tiny_model_paths(folder, "llama")[1]
+    head = write_head_file(folder / "head.safetensors", random_head_weights(TinySpec()))
+    return str(gguf_path), str(head)
+
+
+async def make_engine(target: str, prefix_caching: bool = True, **spec) -> AsyncEngine:
+    """The tiny model; with `spec`, speculation that drafts on every step (fixed back-off rules)."""
+    speculative = SpeculativeConfig(**{"cost_aware_backoff": False, "min_acceptance_rate": 0.0} | spec) \
+        if spec else SpeculativeConfig()
+    return await AsyncEngine.create(EngineConfig(
+        model=target, device="cpu", cache=CacheConfig(block_size=4, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64), speculative=speculative))
+
+
+async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams = GREEDY) -> dict:
+    result = {"tokens": [], "logprobs": [], "spec": None}
+    async for out in engine.generate(prompt, params):
+        for delta in out.deltas:
+            result["tokens"] += delta.token_ids
+            result["logprobs"] += delta.logprobs or ()
+        result["spec"] = out.speculate_metrics
+    return result
+
+
+@pytest.mark.parametrize("steps,strategy,drafts", [(1, "default", 1), (2, "default", 2), (3, "default", 3),
+                                                    (2, "with_ngram", 4)])
+def test_mtp_keeps_greedy_outputs_and_logprobs(tiny, steps, strategy, drafts):
+    model, head = tiny
+
+    async def main():
+        plain = await make_engine(model)
+        want = await asyncio.gather(*(run(plain, p) for p in PROMPTS))
+        await plain.shutdown()
+        mtp = await make_engine(model, method="mtp", model=head, num_model_steps=steps, mtp_strategy=strategy,
+                                num_speculative_tokens=drafts)
+        got = await asyncio.gather(*(run(mtp, p) for p in PROMPTS))
+        stats = mtp.stats()
+        await mtp.shutdown()
+        return want, got, stats
+
+    want, got, stats = asyncio.run(main())
+    for w, g in zip(want, got):
+        assert g["tokens"] == w["tokens"]
+        for a, b in zip(w["logprobs"], g["logprobs"]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+    drafted = sum(g["spec"].num_draft_tokens for g in got)
+    assert drafted >= sum(len(w["tokens"]) for w in want) // 2  # most steps verified drafts
+    assert stats.num_used_kv_blocks == 0
+
+
+class RecordingProposer(MTPProposer):
+    """Keeps the drafts of each proposal with the tokens the sequence held then (the last one emitted
+    by the step that made the drafts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, requests):
+        proposals = super().propose(requests)
+        for request, drafts in zip(requests, proposals):
+            if len(drafts):
+                self.records.append((request.token_ids.tolist(), self._drafts[request.seq_id].tolist()))
+        return proposals
+
+
+def reference_drafts(loaded, head: dict, tokens: list[int], steps: int) -> tuple[list[int], float]:
+    """The drafts a head run afresh over `tokens` (every position with the target's hidden state)
+    makes after them, and the smallest gap between the two likeliest tokens of its steps."""
+    hidden = reference_hidden(loaded.config, loaded.weights, tokens[:-1])  # [m, H]: positions 0..m-1
+    history, next_tokens, drafts, gap = hidden, list(tokens[1:]), [], np.inf
+    for _ in range(steps):
+        residual, logits = reference_mtp_step(loaded.config, loaded.weights, head, history, next_tokens,
+                                              np.arange(len(history)))
+        top2 = np.sort(logits[-1])[-2:]
+        gap = min(gap, top2[1] - top2[0])
+        drafts.append(int(logits[-1].argmax()))
+        history = np.concatenate([history, residual[-1:]])
+        next_tokens.append(drafts[-1])
+    return drafts, gap
+
+
+@pytest.mark.parametrize("policy", ["normal", "accept_all"])
+def test_the_heads_drafts_match_a_head_run_afresh_over_the_tokens(tiny, policy):
+    """Every step's drafts equal those of the head run from scratch over the sequence's tokens, so no
+    K/V that a rejected draft's row (or an earlier drafting step) left behind is read."""
+    model, head_path = tiny
+    steps = 3
+
+    async def main():
+        engine = await make_engine(model, method="mtp", model=head_path, num_model_steps=steps,
+                                   num_speculative_tokens=steps, accept_policy=policy)
+        recorder = RecordingProposer()
+        engine.drafter.proposer = engine.runner.mtp.proposer = recorder
+        await asyncio.gather(*(run(engine, p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+                               for p in PROMPTS[:2]))
+        await engine.shutdown()
+        return recorder.records
+
+    records = asyncio.run(main())
+    loaded = load_model(model)
+    from safetensors.numpy import load_file
+    head = load_file(head_path)
+    checked = 0
+    for tokens, drafts in records:
+        want, gap = reference_drafts(loaded, head, tokens, steps)
+        if gap > 1e-3:  # a near-tie may go either way in float32
+            assert drafts == want, tokens
+            checked += 1
+    assert checked >= len(records) * 3 // 4 and len(records) > 10
+
+
+def test_a_prefix_hit_gives_the_head_the_kv_of_a_cold_prompt(tiny):
+    """A cached block is shared only with sequences that also agree on the token after it: the
+    head's K/V at a block's last position reads that token."""
+    model, head = tiny
+    shared = list(range(30, 46))  # four blocks of 4
+    first, second = shared + [50, 51, 52], shared[:12] + [60, 61, 62, 63, 64]
+
+    async def drafts_of_second(prefix_caching: bool) -> tuple[list, int]:
+        engine = await make_engine(model, prefix_caching, method="mtp", model=head, num_model_steps=2,
+                                   num_speculative_tokens=2)
+        recorder = RecordingProposer()
+        engine.drafter.proposer = engine.runner.mtp.proposer = recorder
+        await run(engine, first)
+        recorder.records.clear()
+        await run(engine, second)
+        hits = engine.block_manager.num_prefix_hit_tokens
+        await engine.shutdown()
+        return recorder.records, hits
+
+    cold, _ = asyncio.run(drafts_of_second(False))
+    warm, hits = asyncio.run(drafts_of_second(True))
+    assert hits == 8  # blocks 0 and 1; block 2 ends before a token the two prompts do not share
+    assert warm == cold
+
+
+def test_mtp_without_a_fitting_head_is_an_error_at_start_up(tiny, tmp_path):
+    model, _head = tiny
+    other = write_head_file(tmp_path / "wide.safetensors", random_head_weights(TinySpec(hidden=32, head_dim=8)))
+    with pytest.raises(ValueError, match="does not fit|shape"):
+        asyncio.run(make_engine(model, method="mtp", model=str(other), num_speculative_tokens=1))
