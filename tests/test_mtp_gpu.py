@@ -1,0 +1,82 @@
+"""MTP on the GPU, with a random head of the default model's shape: the head's logits agree with its
+NumPy twin, and the engine's greedy outputs with MTP equal those without, up to near-ties."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from golden import GOLDEN_PROMPTS
+from test_cuda_graphs import KV_CACHE_BYTES, assert_equal_up_to_near_ties
+from tiny_models import TinySpec, random_head_weights, write_head_file
+
+from cupyspec.config import CacheConfig, EngineConfig
+from cupyspec.engine import AsyncEngine
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def head_path(default_model_path, tmp_path_factory) -> str:
+    from cupyspec.loader import load_model
+
+    c = load_model(default_model_path).config
+    spec = TinySpec(hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                    ffn=c.intermediate_size)
+    return str(write_head_file(tmp_path_factory.mktemp("mtp") / "head.safetensors", random_head_weights(spec)))
+
+
+def test_the_heads_logits_on_the_gpu_match_its_numpy_twin(default_model_path, head_path):
+    from cupyspec.backend import select_backend
+    from cupyspec.loader import load_model
+    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
+    from cupyspec.model.kv_arrays import KVCacheArrays
+    from cupyspec.model.llama import LlamaModel
+    from cupyspec.model.mtp import MTPHead, load_head_weights
+
+    loaded = load_model(default_model_path)
+    tokens = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    logits = {}
+    for device in ("cpu", "cuda"):
+        backend = select_backend(device)
+        model = LlamaModel(loaded.config, loaded.weights, backend)
+        head = MTPHead(model, load_head_weights(head_path, loaded.config))
+        kv = KVCacheArrays(backend.xp, loaded.config, 64, 16, backend.dtype, extra_layers=1)
+        batch = build_flat_batch([Segment(tokens, 0, list(range(64)))], 16)
+        hidden = model.forward_residual(DeviceBatch.of(backend.xp, batch), kv)
+        head_batch = build_flat_batch([Segment(tokens[1:], 0, list(range(64)))], 16)
+        residual = head.step(hidden[:-1], DeviceBatch.of(backend.xp, head_batch), kv)
+        logits[device] = backend.to_host(head.logits(residual))
+    cpu, gpu = logits["cpu"], logits["cuda"]
+    assert np.linalg.norm(gpu - cpu) / np.linalg.norm(cpu) < 2e-2
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() > 0.9
+
+
+async def _answers(model_path: str, speculative: SpeculativeConfig, logprobs: int | None) -> list:
+    engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", speculative=speculative,
+                                                   cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)))
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=logprobs)
+
+    async def answer(prompt: str):
+        tokens, entries = [], []
+        async for out in engine.chat([{"role": "user", "content": prompt}], params):
+            tokens += [t for d in out.deltas for t in d.token_ids]
+            entries += [e for d in out.deltas for e in d.logprobs or ()]
+        return tokens, entries, b""
+
+    try:
+        return list(await asyncio.gather(*(answer(p) for p, _ in GOLDEN_PROMPTS)))
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_greedy_outputs_with_mtp_equal_those_without_up_to_near_ties(default_model_path, head_path, steps):
+    plain = asyncio.run(_answers(default_model_path, SpeculativeConfig(), logprobs=2))
+    mtp = asyncio.run(_answers(default_model_path, SpeculativeConfig(
+        method="mtp", model=head_path, num_model_steps=steps, num_speculative_tokens=steps,
+        cost_aware_backoff=False, min_acceptance_rate=0.0), logprobs=None))
+    assert_equal_up_to_near_ties([tokens for tokens, _, _ in mtp], plain)
