@@ -62,6 +62,8 @@ class SpeculativeConfig:
         need(self.method != "mtp" or self.num_speculative_tokens >= self.num_model_steps,
              "num_speculative_tokens must be at least num_model_steps")
         need(self.method != "mtp" or bool(self.model), "method 'mtp' needs 'model' (the MTP weights)")
+        need(self.quantization is None,
+             f"quantization {self.quantization!r} is not supported: the MTP head runs in the target's precision")
         need(self.verify_strategy in VERIFY_STRATEGIES,
              f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}, not {self.verify_strategy!r}")
         need(self.accept_policy in ACCEPT_POLICIES,
