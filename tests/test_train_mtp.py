@@ -17,6 +17,8 @@ from cupyspec.loader import load_model
 
 needs_torch = pytest.mark.skipif(tm.torch is None, reason="PyTorch is not installed")
 torch = tm.torch
+if torch is not None:
+    from mtp_torch import rope_tables
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -68,7 +70,7 @@ def _inference_chain(head, target, h, tokens, start: int, num_steps: int) -> lis
     """The head as inference runs it, one position at a time on its own K/V cache: over positions
     0..start with the target's hidden states, then steps 2..num_steps on its own outputs, with the
     sequence's tokens as drafts. The output hidden state of each step of the chain begun at `start`."""
-    cos, sin = tm.rope_tables(target.config, len(tokens), h.device)
+    cos, sin = rope_tables(target.config, len(tokens), h.device)
     cache: list = []
 
     def run(state, token: int, position: int):
