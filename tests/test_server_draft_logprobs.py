@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from server_fixtures import LiveServer, render_records, tiny_config
+from tiny_models import TinySpec, random_head_weights, write_head_file
 
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
@@ -349,9 +350,15 @@ def live_choices(server: LiveServer, endpoint: str, stream: bool) -> tuple[dict[
 
 def test_live_draft_logprobs_agree_with_speculate_metrics(spec_server: LiveServer) -> None:
     """Meaningful once the engine fills CompletionDelta.draft_logprobs (fails while it sends None)."""
+    check_live_drafts(spec_server)
+
+
+def check_live_drafts(server: LiveServer) -> None:
+    """Both endpoints, streamed and whole: every content chunk has draft_logprobs, each draft's
+    logprob and alternatives are in order, and the drafts and accepted ones add up to the metrics."""
     for endpoint in ("completions", "chat"):
         for stream in (False, True):
-            choices, metrics = live_choices(spec_server, endpoint, stream)
+            choices, metrics = live_choices(server, endpoint, stream)
             assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0, metrics
             drafts_of_choices = []
             for parts in choices.values():
@@ -365,6 +372,26 @@ def test_live_draft_logprobs_agree_with_speculate_metrics(spec_server: LiveServe
                 drafts_of_choices.append(drafts)
             assert sum(len(d) for d in drafts_of_choices) == metrics["num_draft_tokens"], (endpoint, stream)
             assert sum(a for d in drafts_of_choices for _t, _lp, a, _ok in d) == metrics["num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def mtp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """MTP with a random head: its drafts are rarely right, so every draft is taken (accept_all)
+    and the accepted ones show in the token logprobs."""
+    folder = tmp_path_factory.mktemp("tiny-mtp")
+    head = write_head_file(folder / "head.safetensors", random_head_weights(TinySpec()))
+    config = dataclasses.replace(tiny_config(folder), speculative=SpeculativeConfig(
+        method="mtp", model=str(head), num_model_steps=K, num_speculative_tokens=K, accept_policy="accept_all",
+        cost_aware_backoff=False))
+    server = LiveServer(config).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_live_mtp_draft_logprobs_agree_with_speculate_metrics(mtp_server: LiveServer) -> None:
+    check_live_drafts(mtp_server)
 
 
 def check_completion_drafts(parts: list[dict]) -> list[tuple[str, float, bool, bool]]:
