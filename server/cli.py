@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queue length beyond which new requests get HTTP 503")
     p.add_argument("--speculative-config", help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--no-logprobs-overlap", action="store_true",
-                   help="compute a speculative step's logprobs after verification, not beside it on a second CUDA stream")
+                   help="compute a speculative step's logprobs after verification, not beside it on a "
+                        "second CUDA stream")
     p.add_argument("--no-overlap-scheduling", action="store_true",
                    help="form each step after the host has the tokens of the one before (for measurement)")
     p.add_argument("--no-warm-up", action="store_true",

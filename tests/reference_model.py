@@ -72,7 +72,8 @@ def reference_logits(config: ModelConfig, weights: dict[str, np.ndarray], token_
 
 
 def reference_mtp_step(config: ModelConfig, weights: dict[str, np.ndarray], head: dict[str, np.ndarray],
-                       hidden: np.ndarray, next_tokens: list[int], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                       hidden: np.ndarray, next_tokens: list[int],
+                       positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One MTP head step over rows at `positions` [S] (0..S-1 of one sequence, or any causal order):
     hidden [S, H] and the token after each row's position -> (the head's residual [S, H], logits [S, V])."""
     w = {k: v.astype(np.float64) for k, v in (weights | head).items()}

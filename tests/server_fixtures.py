@@ -45,6 +45,12 @@ class LiveServer:
         self.run(self._start())
         return self
 
+    def __enter__(self) -> LiveServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     async def _start(self) -> None:
         self.engine = await AsyncEngine.create(self.config)
         self._runner, port = await start_server(create_app(self.engine), "127.0.0.1", 0)
@@ -103,11 +109,8 @@ def default_model_file() -> Path | None:
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = LiveServer(tiny_config(tmp_path_factory.mktemp("tiny-model"))).start()
-    try:
+    with LiveServer(tiny_config(tmp_path_factory.mktemp("tiny-model"))) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def render_records(renderer: LogprobRenderer, records: Sequence[TokenLogprob]) -> LogprobsJSON:

@@ -186,7 +186,8 @@ def test_each_request_gets_records_of_its_own_top_k() -> None:
                 top = np.argsort(-lps, kind="stable")[:k or 0].tolist()
                 assert isinstance(entry, tuple) and abs(entry.logprob - lps[entry.token_id]) < 1e-5
                 assert list(entry.top_ids) == top and np.allclose(entry.top_logprobs, lps[top], atol=1e-5)
-    assert [len(e) for e in step.logprobs.tokens if e is not None] == [3, step.num_accepted[1] + 1, step.num_accepted[3] + 1]
+    assert [len(e) for e in step.logprobs.tokens if e is not None] == [3, step.num_accepted[1] + 1,
+                                                                         step.num_accepted[3] + 1]
 
 
 # ---------------------------------------------------------------- device

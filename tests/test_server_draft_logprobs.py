@@ -312,11 +312,8 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     config = dataclasses.replace(tiny_config(tmp_path_factory.mktemp("tiny-model")),
                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
                                                                  cost_aware_backoff=False))
-    server = LiveServer(config).start()
-    try:
+    with LiveServer(config) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def live_post(server: LiveServer, path: str, body: dict) -> Any:
@@ -383,11 +380,8 @@ def mtp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]
     config = dataclasses.replace(tiny_config(folder), speculative=SpeculativeConfig(
         method="mtp", model=str(head), num_model_steps=K, num_speculative_tokens=K, accept_policy="accept_all",
         cost_aware_backoff=False))
-    server = LiveServer(config).start()
-    try:
+    with LiveServer(config) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_live_mtp_draft_logprobs_agree_with_speculate_metrics(mtp_server: LiveServer) -> None:

@@ -37,11 +37,8 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     config = dataclasses.replace(tiny_config(tmp_path_factory.mktemp("tiny-model")),
                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
                                                                  cost_aware_backoff=False))
-    server = LiveServer(config).start()
-    try:
+    with LiveServer(config) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def openai_client(server: LiveServer) -> openai.OpenAI:

@@ -129,11 +129,8 @@ def test_the_interval_is_validated_and_taken_from_the_command_line(capsys: pytes
 @pytest.fixture(scope="module")
 def grouped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     config = dataclasses.replace(tiny_config(tmp_path_factory.mktemp("tiny-model")), stream_interval=5)
-    server = LiveServer(config).start()
-    try:
+    with LiveServer(config) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def stream_chunks(server: LiveServer) -> list[dict]:
