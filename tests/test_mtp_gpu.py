@@ -80,3 +80,39 @@ def test_greedy_outputs_with_mtp_equal_those_without_up_to_near_ties(default_mod
         method="mtp", model=head_path, num_model_steps=steps, num_speculative_tokens=steps,
         cost_aware_backoff=False, min_acceptance_rate=0.0), logprobs=None))
     assert_equal_up_to_near_ties([tokens for tokens, _, _ in mtp], plain)
+
+
+async def _proposals(model_path: str, head_path: str, cuda_graphs: bool) -> tuple[list, list]:
+    """Each golden prompt's greedy tokens with MTP drafting on every step, and every proposal's drafts
+    with the tokens the sequence held then."""
+    from test_mtp_engine import RecordingProposer
+
+    speculative = SpeculativeConfig(method="mtp", model=head_path, num_model_steps=3, num_speculative_tokens=3,
+                                    cost_aware_backoff=False, min_acceptance_rate=0.0)
+    engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
+                                                   speculative=speculative,
+                                                   cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)))
+    recorder = RecordingProposer()
+    engine.drafter.proposer = engine.runner.mtp.proposer = recorder
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+
+    async def answer(prompt: str) -> list[int]:
+        tokens = []
+        async for out in engine.chat([{"role": "user", "content": prompt}], params):
+            tokens += [t for d in out.deltas for t in d.token_ids]
+        return tokens
+
+    try:
+        answers = list(await asyncio.gather(*(answer(p) for p, _ in GOLDEN_PROMPTS)))
+    finally:
+        await engine.shutdown()
+    return answers, sorted(recorder.records)
+
+
+def test_graphed_mtp_steps_draft_and_emit_as_eager_ones(default_model_path, head_path):
+    """The head's catch-up inside the forward graphs and its drafting graphs give the eager steps'
+    drafts and tokens, bit for bit."""
+    eager = asyncio.run(_proposals(default_model_path, head_path, cuda_graphs=False))
+    graphed = asyncio.run(_proposals(default_model_path, head_path, cuda_graphs=True))
+    assert len(eager[1]) > 50
+    assert graphed == eager

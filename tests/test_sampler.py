@@ -258,3 +258,30 @@ def test_argmax_kernel_matches_numpy(rows: int, vocab: int) -> None:
     got = argmax_rows(cupy, cupy.asarray(x)).get()
     np.testing.assert_array_equal(got, x.argmax(axis=1))
     assert got.dtype == np.int64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (7, 1000), (300, 513), (2, 1)])
+def test_argmax_logprob_kernel_matches_its_twin(rows: int, vocab: int) -> None:
+    import cupy
+
+    from cupyspec.sampling.argmax import argmax_logprobs
+
+    rng = np.random.default_rng(rows * vocab)
+    x = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    x[:, rng.integers(0, vocab)] += 3.0  # a clear winner in some rows, many close ones in others
+    picks, logprobs = (a.get() for a in argmax_logprobs(cupy, cupy.asarray(x)))
+    want_picks, want_logprobs = argmax_logprobs(np, x)
+    np.testing.assert_array_equal(picks, want_picks)
+    np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+    assert logprobs.dtype == np.float32 and (logprobs <= 0).all()
+
+
+def test_argmax_logprobs_twin_is_the_log_softmax_of_the_pick() -> None:
+    from cupyspec.sampling.argmax import argmax_logprobs
+
+    x = np.array([[0.0, 2.0, 1.0], [5.0, 5.0, -1.0]], dtype=np.float32)
+    picks, logprobs = argmax_logprobs(np, x)
+    np.testing.assert_array_equal(picks, [1, 0])
+    log_softmax = x - np.log(np.exp(x.astype(np.float64)).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(logprobs, log_softmax[[0, 1], [1, 0]], rtol=1e-6)

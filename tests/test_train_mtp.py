@@ -163,10 +163,10 @@ def test_tool_generates_trains_evaluates_and_reuses_its_data_on_the_cpu(tmp_path
     common = ["--model", str(hf_dir), "--device", "cpu", "--batch-size", "4", "--log-every", "2",
               "--num-model-steps", "2"]
     report = tm.main([*common, "--out-dir", str(tmp_path / "run"), "--dataset-path", str(tmp_path / "sharegpt.json"),
-                      "--num-prompts", "6", "--max-answer-tokens", "12", "--sampled-share", "0.5",
-                      "--eval-share", "0.34", "--steps", "4"])
+                      "--num-prompts", "3", "--max-answer-tokens", "12", "--sampled-share", "0.5",
+                      "--held-out-prompts", "3", "--eval-prompts", "2", "--steps", "4"])
     data = np.load(tmp_path / "run" / "data.npz")
-    assert data["held_out"].sum() == report["held_out_sequences"] >= 2  # both prompts' greedy answers at least
+    assert data["held_out"].sum() == report["held_out_sequences"] == 2  # the two eval prompts' greedy answers
     assert (data["prompt_lens"] < data["lengths"]).all()
     assert report["num_chains"] > 0 and set(report["mean_acceptance_length"]) == {"1", "2"}
     assert report["target_agreement"] == 1.0  # the PyTorch target picks the engine's greedy tokens

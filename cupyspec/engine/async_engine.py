@@ -102,8 +102,7 @@ class AsyncEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, bool(heads))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    config.speculative.num_model_steps - 1 if heads else 0)
-        graphed = config.cuda_graphs and mtp is None  # the head runs on eager steps
-        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if graphed else 0
+        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
         self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
                                   self.max_model_len, config.scheduler.max_num_seqs, self.tokenizer, mtp)
         self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
@@ -346,9 +345,8 @@ class AsyncEngine:
 
     def _can_overlap(self) -> bool:
         """Whether a draft-free step may be formed before the host has the tokens of the one in flight:
-        not while penalties need every token on the host, nor with an MTP head, whose next drafts
-        come with the step's results."""
-        return self.config.overlap_scheduling and not self.outputs.num_penalized and self.runner.mtp is None
+        not while penalties need every token on the host."""
+        return self.config.overlap_scheduling and not self.outputs.num_penalized
 
     def _on_sequence_finished(self, seq: Sequence) -> None:
         if self.drafter is not None:

@@ -34,6 +34,7 @@ from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.sampler import SamplerOutput, max_logprobs, sample_tokens_on_device
 from cupyspec.scheduling.scheduler import SchedulerOutput
 from cupyspec.spec_decode.proposers.mtp import MTPDrafting
+from cupyspec.spec_decode.proposers.mtp_graphs import DraftGraphs
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from cupyspec.spec_decode.verification.verify import VerifyInput
 from cupyspec.spec_decode.verification.verify_step import LogprobStream, PendingVerdict, StepVerdict, launch_verify
@@ -62,7 +63,7 @@ class LaunchedStep(NamedTuple):
     transfer: HostTransfer  # the sampled tokens (and logprobs) of a plain step, then the prompt logprobs
     num_sample_arrays: int  # how many of the transferred arrays sampling filled (0: none, or verified)
     verdict: PendingVerdict | None  # a speculative step's verification
-    mtp_drafts: HostTransfer | None = None  # the MTP head's drafts [S, num_model_steps] for the next step
+    mtp_drafts: HostTransfer | None = None  # the MTP head's drafts and their logprobs, each [S, num_model_steps]
 
     def ready(self) -> bool:
         """Whether its results, but a verified step's logprobs, are on the host (collecting would not wait)."""
@@ -81,9 +82,7 @@ class ModelRunner:
                  mtp: MTPDrafting | None = None) -> None:
         """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none).
         tokenizer: the tokens' bytes, for logprobs rendered as chat JSON entries.
-        mtp: the MTP head's drafting, run at the end of every step (eager steps only)."""
-        if mtp is not None and cuda_graph_max_tokens:
-            raise ValueError("MTP drafting runs on eager steps: cuda_graph_max_tokens must be 0")
+        mtp: the MTP head's drafting, run in every step (graphed with the forward pass when it is)."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
         self.tokenizer, self.mtp = tokenizer, mtp
         xp = backend.xp
@@ -92,8 +91,11 @@ class ModelRunner:
         # the CUDA stream that computes a speculative step's logprobs beside verification
         self.logprob_stream = LogprobStream(cuda) if cuda and overlap_logprobs else None
         self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
-        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens)
+        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens,
+                                  mtp.catch_up if mtp is not None else None)
                        if cuda and cuda_graph_max_tokens else None)
+        self.draft_graphs = (DraftGraphs(mtp, self.graphs, max_num_seqs)
+                             if mtp is not None and self.graphs is not None else None)
         # the logprob work of steps, replayed over the graphs' logits
         self.logprob_graphs = (LogprobGraphs(xp, self.graphs.logits, speculative.num_speculative_tokens)
                                if self.graphs is not None else None)
@@ -117,18 +119,22 @@ class ModelRunner:
         with self.stream:  # CUDA: the whole step on one stream, the graphs' (a no-op context on the CPU)
             forward = self._forward(inputs)
             step = self._sample_or_verify(inputs, forward)
-            if self.mtp is None:
+            if self.mtp is None or not inputs.owners:
                 return step
-            xp = self.backend.xp
-            boundary_rows = to_device(xp, inputs.first_rows)  # [S]: each sampling sequence's last accepted row
-            if step.verdict is not None:
-                runs = step.verdict.runs_on_device  # [2, S]: accepted drafts, emitted token
-                boundary_rows, boundary_tokens = boundary_rows + runs[0], runs[1]
-            else:
-                boundary_tokens = self.sampled_tokens[:len(inputs.owners)]
-            drafts = self.mtp.run(forward.residual, forward.batch, self.kv, inputs.next_token_ids, boundary_rows,
-                                  boundary_tokens)  # [S, num_model_steps]
-            return step._replace(mtp_drafts=HostTransfer(xp, [drafts]))
+            return step._replace(mtp_drafts=HostTransfer(self.backend.xp, self._draft(inputs, forward, step)))
+
+    def _draft(self, inputs: StepInputs, forward: _Forward, step: LaunchedStep) -> list[Any]:
+        """The MTP head's drafts [S, num_model_steps] and their logprobs from each sampling sequence's
+        last accepted row, queued after sampling or verification."""
+        accepted, tokens = None, self.sampled_tokens[:len(inputs.owners)]  # [S]
+        if step.verdict is not None:
+            accepted, tokens = step.verdict.runs_on_device  # [S] each: accepted drafts, emitted token
+        if forward.static:
+            return list(self.draft_graphs.run(inputs.first_rows, accepted, tokens))
+        rows = to_device(self.backend.xp, inputs.first_rows)  # [S]
+        if accepted is not None:
+            rows = rows + accepted
+        return list(self.mtp.draft_from(forward.residual, forward.batch, rows, tokens, self.kv))
 
     def _sample_or_verify(self, inputs: StepInputs, forward: _Forward) -> LaunchedStep:
         """Sampling or verification of the step's target rows, and their logprobs, queued."""
@@ -189,7 +195,7 @@ class ModelRunner:
         if inputs.prompt_owner:
             _add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
         if step.mtp_drafts is not None:
-            self.mtp.proposer.remember(inputs.seq_ids, step.mtp_drafts.result()[0])
+            self.mtp.proposer.remember(inputs.seq_ids, *step.mtp_drafts.result())
         return outputs
 
     @staticmethod
@@ -214,14 +220,17 @@ class ModelRunner:
 
         Through a CUDA graph when one holds the batch (logits of every row come out); else eagerly,
         with the LM head applied to the rows that need it only, the pre-norm hidden states and the
-        device batch kept for an MTP head.
+        device batch kept for an MTP head's drafting. An MTP head's catch-up runs either way.
         """
         xp = self.backend.xp
-        every_row = self.graphs.run(inputs.batch) if self.graphs is not None else None  # [T, V] or None
+        every_row = (self.graphs.run(inputs.batch, inputs.next_token_ids)
+                     if self.graphs is not None else None)  # [T, V] or None
         residual = batch = None
         if every_row is None:
             batch = DeviceBatch.of(xp, inputs.batch, self.sampled_tokens)
             residual = self.model.forward_residual(batch, self.kv)  # [T, H] fp32
+            if self.mtp is not None:
+                self.mtp.catch_up(residual, batch, to_device(xp, inputs.next_token_ids), self.kv)
             hidden = self.model.final_normed(residual)  # [T, H]
 
         def rows_logits(rows: np.ndarray) -> Any:

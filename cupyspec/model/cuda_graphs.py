@@ -14,12 +14,19 @@ the matrix-product kernel family (gemv, with its fused norm, SwiGLU and RoPE ste
 the attention kernel's CTA size depend on the row count only through buckets that the graph
 boundaries respect (`linear.GEMV_MAX_ROWS` and `attention.FEW_ROWS` are buckets), so a graphed step
 returns the logits the eager step returns, bit for bit.
+
+With an MTP head, each graph also runs the head's catch-up over the step's rows (its K/V, from the
+staged token after each row) and keeps the target's pre-norm hidden states of every row in a static
+buffer, which the head's drafting graphs read (cupyspec/spec_decode/proposers/mtp_graphs.py). The
+staged token fields have one column past the largest bucket, always padding: the row a drafting
+graph's padding entries read.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,36 +43,46 @@ log = logging.getLogger("cupyspec")
 BUCKETS = (1, 2, 4, 8, *range(16, KERNEL_MAX_ROWS + 1, 16))
 
 TOKEN_FIELDS = 4  # rows of the staged token arrays: input ids, positions, batch ids, KV slots
+NEXT_IDS = 4  # the staged row of the token after each row, with an MTP head
+
+CatchUp = Callable[[Any, DeviceBatch, Any, KVCacheArrays], None]  # MTPDrafting.catch_up
 
 
 class CudaGraphs:
     """The captured graphs of `model` over `kv`, and the static buffers they read and write."""
 
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, stream: Any, max_tokens: int, max_model_len: int,
-                 previous_tokens: Any) -> None:
-        """previous_tokens [S] int32: the device buffer where placeholder input ids ~s find their tokens."""
+                 previous_tokens: Any, catch_up: CatchUp | None = None) -> None:
+        """previous_tokens [S] int32: the device buffer where placeholder input ids ~s find their tokens.
+        catch_up: an MTP head's catch-up, run over every step's rows."""
         import cupy
         import cupyx
 
         self.model, self.kv, self.stream, self.previous_tokens = model, kv, stream, previous_tokens
+        self.catch_up = catch_up
         self.buckets = tuple(b for b in BUCKETS if b <= max_tokens)
         if not self.buckets:
             raise ValueError(f"no CUDA graph bucket holds at most {max_tokens} rows")
         rows = self.buckets[-1]
         width = -(-max_model_len // kv.block_size)  # block-table columns: the longest sequence's blocks
-        self.padding_row = rows  # the block-table row of padding tokens: all scratch blocks
-        # the inputs: the token fields [4, rows], then the block tables [rows + 1, width], flat
-        self.tokens_size, self.width = TOKEN_FIELDS * rows, width
+        self.padding_row = rows  # the block-table row of padding tokens, and the always-padding token column
+        self.fields = TOKEN_FIELDS + (catch_up is not None)
+        # the inputs: the token fields [fields, rows + 1], then the block tables [rows + 1, width], flat
+        self.tokens_size, self.width = self.fields * (rows + 1), width
         size = self.tokens_size + (rows + 1) * width
         self.host_inputs = [cupyx.empty_pinned(size, np.int32) for _ in range(2)]
         self.host_views = [self._split(host) for host in self.host_inputs]  # (token fields, tables) of each
+        for staged, _ in self.host_views:
+            self._pad(staged, rows, rows + 1)
         self._host_pointers = [host.ctypes.data for host in self.host_inputs]
         self._runtime = cupy.cuda.runtime
         self._turn = 0  # the pinned buffer the next step stages its inputs in
         self.inputs = cupy.zeros(size, np.int32)
-        self.tokens, self.tables = self._split(self.inputs)  # [4, rows], [rows + 1, width] on the device
+        self.tokens, self.tables = self._split(self.inputs)  # [fields, rows + 1], [rows + 1, width] on the device
         self.tables[self.padding_row] = kv.scratch_block
         self.logits = cupy.empty((rows, model.config.vocab_size), np.float32)  # [rows, V]
+        # [rows + 1, H] fp32: the target's pre-norm hidden states, with an MTP head; the last row is 0
+        self.residual = cupy.zeros((rows + 1, model.config.hidden_size), np.float32) if catch_up else None
         self.pool = cupy.cuda.MemoryPool()  # the graphs' own activations, never handed to eager code
         self.graphs: dict[int, Any] = {}
         with cupy.cuda.using_allocator(self.pool.malloc), stream:
@@ -86,23 +103,28 @@ class CudaGraphs:
     def _forward(self, bucket: int) -> None:
         ids, positions, batch_ids, slots = (self.tokens[f, :bucket] for f in range(TOKEN_FIELDS))
         batch = DeviceBatch(ids, positions, batch_ids, slots, self.tables, self.previous_tokens)
-        self.model.compute_logits(self.model.forward(batch, self.kv), out=self.logits[:bucket])
+        residual = self.model.forward_residual(batch, self.kv)  # [bucket, H] fp32
+        if self.catch_up is not None:
+            self.catch_up(residual, batch, self.tokens[NEXT_IDS, :bucket], self.kv)
+            self.residual[:bucket] = residual
+        self.model.compute_logits(self.model.final_normed(residual), out=self.logits[:bucket])
 
     def _split(self, inputs: Any) -> tuple[Any, Any]:
-        """Views of a flat inputs buffer: the token fields [4, rows] and the block tables [rows + 1, width]."""
-        return (inputs[:self.tokens_size].reshape(TOKEN_FIELDS, -1),
+        """Views of a flat inputs buffer: the token fields [fields, rows + 1] and the block tables
+        [rows + 1, width]."""
+        return (inputs[:self.tokens_size].reshape(self.fields, -1),
                 inputs[self.tokens_size:].reshape(-1, self.width))
 
     def _pad(self, staged: np.ndarray, start: int, stop: int) -> None:
-        """Rows start..stop of the staged tokens [4, rows] become padding."""
-        ids, positions, batch_ids, slots = staged[:, start:stop]
-        ids[:] = positions[:] = 0
-        batch_ids[:] = self.padding_row
-        slots[:] = self.kv.scratch_block * self.kv.block_size
+        """Columns start..stop of the staged tokens [fields, rows + 1] become padding."""
+        staged[:, start:stop] = 0
+        staged[2, start:stop] = self.padding_row
+        staged[3, start:stop] = self.kv.scratch_block * self.kv.block_size
 
-    def run(self, batch: FlatBatch) -> Any | None:
+    def run(self, batch: FlatBatch, next_ids: np.ndarray | None = None) -> Any | None:
         """Logits [T, V] f32 of every row of `batch` (a view of the static buffer, valid until the
-        next run), or None when the batch has more rows than the largest graph."""
+        next run), or None when the batch has more rows than the largest graph. next_ids [T] int32:
+        the token after each row, for an MTP head's catch-up."""
         num_tokens, num_seqs = batch.num_tokens, batch.num_seqs
         index = bisect.bisect_left(self.buckets, num_tokens)
         if index == len(self.buckets) or batch.block_tables.shape[1] > self.tables.shape[1]:
@@ -114,6 +136,8 @@ class CudaGraphs:
         staged[1, :num_tokens] = batch.positions
         staged[2, :num_tokens] = batch.batch_id_per_token
         staged[3, :num_tokens] = batch.slot_mapping
+        if self.catch_up is not None:
+            staged[NEXT_IDS, :num_tokens] = next_ids
         if num_tokens < bucket:
             self._pad(staged, num_tokens, bucket)
         tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables

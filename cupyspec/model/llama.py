@@ -87,12 +87,16 @@ class LlamaModel:
         at the batch's slots; the target's RoPE tables, norm eps and attention serve any layer of its
         shape (an MTP head's too)."""
         xp, c = self.backend.xp, self.config
-        num_tokens, eps = residual.shape[0], c.rms_norm_eps
-        q = norm_qkv_rope(xp, residual, w.input_norm, eps, w.qkv, w.qkv_bias, self.rope_cos, self.rope_sin,
-                          batch.positions, batch.slot_mapping, k_cache, v_cache)  # [T, Hq, D]
+        q = self.write_kv(residual, w, k_cache, v_cache, batch)  # [T, Hq, D]
         attn = self._attention(q, k_cache, v_cache, batch, 1.0 / float(np.sqrt(c.head_dim)))  # [T, Hq, D]
-        add_linear(xp, residual, attn.reshape(num_tokens, c.num_heads * c.head_dim), w.o)
-        add_linear(xp, residual, norm_gate_up_swiglu(xp, residual, w.post_norm, eps, w.gate_up), w.down)
+        add_linear(xp, residual, attn.reshape(residual.shape[0], c.num_heads * c.head_dim), w.o)
+        add_linear(xp, residual, norm_gate_up_swiglu(xp, residual, w.post_norm, c.rms_norm_eps, w.gate_up), w.down)
+
+    def write_kv(self, residual: Any, w: LayerWeights, k_cache: Any, v_cache: Any, batch: DeviceBatch) -> Any:
+        """A layer's first step alone: the K/V of residual [T, H] fp32 written at the batch's slots;
+        returns the queries [T, Hq, D]."""
+        return norm_qkv_rope(self.backend.xp, residual, w.input_norm, self.config.rms_norm_eps, w.qkv, w.qkv_bias,
+                             self.rope_cos, self.rope_sin, batch.positions, batch.slot_mapping, k_cache, v_cache)
 
     def final_normed(self, residual: Any) -> Any:
         """residual [T, H] fp32 -> the final norm's output [T, H] in the weights' dtype."""

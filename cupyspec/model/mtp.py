@@ -12,8 +12,9 @@ The logits predict the token at position i+2; r, the head's residual after its l
 norm), is the hidden state of the next step. The first step after the target emitted token t_m
 reads the target's hidden state at m-1 (its last layer's residual, before the final norm) and
 t_m, and drafts the token at m+1; step j > 1 reads step j-1's r and draft, one position further.
-Run over positions whose next token is known (a prompt, a verified step's accepted tokens) with
-the target's hidden states, the head writes its K/V there for later steps to attend to.
+Over positions whose next token is known (a prompt, a verified step's accepted tokens) the head's
+K/V alone is needed, for later steps to attend to: `write_kv` computes u and the layer's K/V there
+and stops.
 
 The head's file is safetensors with the tensor names below (HF [out, in] layout) and metadata
 "format": FORMAT; the embedding, final norm and LM head are the target's and not stored.
@@ -31,10 +32,11 @@ from safetensors.numpy import load_file
 
 from cupyspec.config import ModelConfig
 from cupyspec.model.batch import DeviceBatch
+from cupyspec.model.embedding import embed_tokens
+from cupyspec.model.fused import rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import linear
 from cupyspec.model.llama import LlamaModel, layer_weights
-from cupyspec.model.ops import rms_norm
 
 FORMAT = "cupyspec-mtp-v1"
 PREFIX = "mtp."
@@ -96,15 +98,23 @@ class MTPHead:
 
     def step(self, hidden: Any, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """hidden [T, H] fp32 (the target's pre-norm hidden states, or the head's own) over a batch
-        whose input ids [T] are the token after each row's position -> the head's residual r [T, H]
-        fp32, its K/V written at the batch's slots."""
-        xp, dt, eps = self.target.backend.xp, self.target.backend.dtype, self.target.config.rms_norm_eps
-        embedded = self.target.embed[batch.input_ids]  # [T, H]
-        joined = xp.concatenate([rms_norm(xp, embedded, self.enorm, eps, dt),
-                                 rms_norm(xp, hidden, self.hnorm, eps, dt)], axis=1)  # [T, 2H]
-        residual = linear(xp, joined, self.eh_proj, np.float32)  # [T, H] fp32
+        whose input ids [T] are the token after each row's position (placeholders ~s allowed, as the
+        target's) -> the head's residual r [T, H] fp32, its K/V written at the batch's slots."""
+        residual = self._input(hidden, batch)  # [T, H] fp32
         self.target.run_layer(residual, self.layer, kv.k[self.kv_layer], kv.v[self.kv_layer], batch)
         return residual
+
+    def write_kv(self, hidden: Any, batch: DeviceBatch, kv: KVCacheArrays) -> None:
+        """`step`'s K/V alone, written at the batch's slots."""
+        self.target.write_kv(self._input(hidden, batch), self.layer, kv.k[self.kv_layer], kv.v[self.kv_layer], batch)
+
+    def _input(self, hidden: Any, batch: DeviceBatch) -> Any:
+        """u = concat(enorm(embedding), hnorm(hidden)) @ eh_proj.T: [T, H] fp32."""
+        xp, dt, eps = self.target.backend.xp, self.target.backend.dtype, self.target.config.rms_norm_eps
+        embedded = embed_tokens(xp, self.target.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32
+        joined = xp.concatenate([rms_norm(xp, embedded, self.enorm, eps, dt),
+                                 rms_norm(xp, hidden, self.hnorm, eps, dt)], axis=1)  # [T, 2H]
+        return linear(xp, joined, self.eh_proj, np.float32)
 
     def logits(self, residual: Any) -> Any:
         """The head's residual [R, H] -> logits [R, V] fp32 through the target's final norm and LM head."""

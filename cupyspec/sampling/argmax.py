@@ -11,14 +11,31 @@ from cupyspec.kernels import load_kernel
 THREADS = 512  # THREADS in cuda/argmax.cu
 
 
+def _on_kernel(xp: Any, x: Any) -> bool:
+    return xp is not np and x.dtype == np.float32 and x.ndim == 2 and bool(x.shape[1])
+
+
 def argmax_rows(xp: Any, x: Any) -> Any:
     """[R] int64: the column of each row's largest value in x [R, V] (NaN largest; ties to the lowest
     column). CuPy float32 runs cuda/argmax.cu, a block per row instead of CuPy's generic reduction;
     `x.argmax(axis=1)` is its twin."""
-    if xp is np or x.dtype != np.float32 or x.ndim != 2 or not x.shape[1]:
+    if not _on_kernel(xp, x):
         return x.argmax(axis=1).astype(np.int64, copy=False)
     out = xp.empty(x.shape[0], dtype=np.int64)
     if x.shape[0]:
         load_kernel("argmax", "argmax_rows")((x.shape[0],), (THREADS,),
                                              (xp.ascontiguousarray(x), np.int64(x.shape[1]), out))
     return out
+
+
+def argmax_logprobs(xp: Any, x: Any) -> tuple[Any, Any]:
+    """argmax_rows of logits x [R, V] f32, and each pick's log-softmax [R] f32, in one kernel on a GPU."""
+    if not _on_kernel(xp, x):
+        picks = argmax_rows(xp, x)
+        best = xp.take_along_axis(x, picks[:, None], axis=1).astype(np.float64)  # [R, 1]
+        return picks, (-xp.log(xp.exp(x - best).sum(axis=1))).astype(np.float32)
+    picks, logprobs = xp.empty(x.shape[0], dtype=np.int64), xp.empty(x.shape[0], dtype=np.float32)
+    if x.shape[0]:
+        load_kernel("argmax", "argmax_logprob_rows")((x.shape[0],), (THREADS,),
+                                                     (xp.ascontiguousarray(x), np.int64(x.shape[1]), picks, logprobs))
+    return picks, logprobs

@@ -34,13 +34,15 @@ class DraftRequest:
 
 @dataclass(frozen=True)
 class Drafts:
-    """Draft tokens for one sequence and, optionally, the distributions they were drawn from.
+    """Draft tokens for one sequence and, optionally, the distributions they were drawn from and
+    the draft model's logprob of each.
 
     `probs is None` means a one-hot draft distribution on each token (model-free proposers).
     """
 
     token_ids: np.ndarray  # [k] int32
     probs: np.ndarray | None = None  # [k, V] float32, or None: one-hot on token_ids
+    logprobs: np.ndarray | None = None  # [k] float32: the draft model's own logprobs (an MTP head's)
 
     def __post_init__(self) -> None:
         ids = self.token_ids
@@ -60,6 +62,13 @@ class Drafts:
 
     def __len__(self) -> int:
         return int(self.token_ids.size)
+
+    def first(self, count: int) -> Drafts:
+        """The first `count` drafts."""
+        if count >= len(self):
+            return self
+        cut = (None if a is None else a[:count] for a in (self.probs, self.logprobs))
+        return Drafts(self.token_ids[:count], *cut)
 
 
 def unseen_tokens(seen: Sequence[int], token_ids: np.ndarray) -> list[int] | None:
