@@ -32,13 +32,15 @@ class TokenLogprob(NamedTuple):
 
 class DraftLogprob(NamedTuple):
     """A proposed draft token: the target model's logprob for it at its position (with the top
-    alternatives there, as TokenLogprob), and the verdict."""
+    alternatives there, as TokenLogprob), the verdict, and the draft model's own logprob of it
+    (an MTP head's; None for model-free drafts)."""
 
     token_id: int
     logprob: float
     top_ids: Sequence[int]
     top_logprobs: Sequence[float]  # [len(top_ids)]
     accepted: bool
+    draft_logprob: float | None = None
 
     top = property(_top_pairs)
 

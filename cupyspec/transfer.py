@@ -90,3 +90,12 @@ def to_device(xp: Any, array: np.ndarray) -> Any:
         runtime.memcpyAsync(device.data.ptr, array.ctypes.data, array.nbytes, runtime.memcpyHostToDevice,
                             xp.cuda.get_current_stream().ptr)
     return device
+
+
+def array_module(array: Any) -> Any:
+    """NumPy for a host array, CuPy for a device one."""
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+
+    return cupy

@@ -65,7 +65,8 @@ class CompletionJob:
         if self.req.logprobs is not None and logprobs is not None:
             choice.logprobs = completion_logprobs(texts, token_ids, logprobs, start)[0]
         if self.req.include_draft_logprobs:  # None: the engine proposed nothing (it does not speculate)
-            choice.draft_logprobs = completion_draft_logprobs(texts, drafts or (), offsets)
+            choice.draft_logprobs = completion_draft_logprobs(texts, drafts or (), offsets,
+                                                              self.ctx.engine.drafts_with_model)
         return choice
 
     def _echo(self, prompt_index: int, first: RequestOutput) -> list[CompletionChoice]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+import msgspec
+
 from cupyspec.logprobs.logprob_json import MIN_LOGPROB
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.server.protocol import ChatDraftTokenLogprob, CompletionDraftLogprobs, CompletionLogprobs, TopLogprob
@@ -56,20 +58,37 @@ def completion_logprobs(texts: TokenText, token_ids: Sequence[int], logprobs: Se
     return _fill_completion(result, texts, token_ids, logprobs, offsets[:-1]), offsets[-1]
 
 
-def completion_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob],
-                              offsets: Sequence[int]) -> CompletionDraftLogprobs:
+def completion_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob], offsets: Sequence[int],
+                              model_drafts: bool = False) -> CompletionDraftLogprobs:
     """Legacy logprobs of one delta's drafts. `offsets` are the `text_offsets` of the delta's
     emitted tokens: draft j sits where the delta's j-th token does (for a delta of one step, the
-    token emitted at the draft's position), a draft past the emitted tokens at their end."""
+    token emitted at the draft's position), a draft past the emitted tokens at their end.
+    model_drafts: a draft model (MTP) proposes: each delta lists its logprobs (None where it did not
+    make the draft)."""
     result = CompletionDraftLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[],
                                      accepted=[d.accepted for d in drafts])
+    if model_drafts:
+        result.draft_token_logprobs = [None if d.draft_logprob is None else clamp(d.draft_logprob) for d in drafts]
     text_offset = [offsets[min(j, len(offsets) - 1)] for j in range(len(drafts))]
     return _fill_completion(result, texts, [d.token_id for d in drafts], drafts, text_offset)
 
 
+_OPTIONAL = {kind: {name for name, default in zip(kind.__struct_fields__[-len(kind.__struct_defaults__):],
+                                                 kind.__struct_defaults__) if default is msgspec.UNSET}
+             for kind in (CompletionLogprobs, CompletionDraftLogprobs)}  # the fields a piece may leave out
+
+
 def merge_completion_logprobs(parts: Sequence[L], kind: type[L]) -> L:
-    """Consecutive pieces of one choice's logprobs (or draft logprobs) joined into one."""
-    return kind(**{name: [x for p in parts for x in getattr(p, name)] for name in kind.__struct_fields__})
+    """Consecutive pieces of one choice's logprobs (or draft logprobs) joined into one; an optional
+    list that some pieces leave out is None for their tokens there."""
+    merged = {}
+    for name in kind.__struct_fields__:
+        lists = [getattr(p, name) for p in parts]
+        if not any(x is not msgspec.UNSET for x in lists) and name in _OPTIONAL[kind]:
+            continue
+        merged[name] = [x for p, values in zip(parts, lists)
+                        for x in (values if values is not msgspec.UNSET else [None] * len(p.tokens))]
+    return kind(**merged)
 
 
 def _chat_fields(texts: TokenText, entry: DraftLogprob) -> tuple[str, float, list[int], list[TopLogprob]]:
@@ -84,4 +103,6 @@ def _chat_fields(texts: TokenText, entry: DraftLogprob) -> tuple[str, float, lis
 
 def chat_draft_logprobs(texts: TokenText, drafts: Sequence[DraftLogprob]) -> list[ChatDraftTokenLogprob]:
     """Chat `draft_logprobs.content` entries: the `logprobs.content` form plus `accepted`."""
-    return [ChatDraftTokenLogprob(*_chat_fields(texts, d), accepted=d.accepted) for d in drafts]
+    return [ChatDraftTokenLogprob(*_chat_fields(texts, d), accepted=d.accepted,
+                                  draft_logprob=msgspec.UNSET if d.draft_logprob is None else clamp(d.draft_logprob))
+            for d in drafts]

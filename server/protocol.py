@@ -120,9 +120,11 @@ class CompletionLogprobs(msgspec.Struct):
 
 
 class CompletionDraftLogprobs(CompletionLogprobs):
-    """Proposed drafts in the legacy format, with the verifier's verdict on each."""
+    """Proposed drafts in the legacy format, with the verifier's verdict on each and, where a draft
+    model (an MTP head) made them, its own logprob of each (None for a draft it did not make)."""
 
     accepted: list[bool]
+    draft_token_logprobs: list[float | None] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionChoice(msgspec.Struct):
@@ -174,9 +176,11 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class ChatDraftTokenLogprob(ChatTokenLogprob):
-    """A proposed draft token with the verifier's verdict."""
+    """A proposed draft token with the verifier's verdict and, where a draft model (an MTP head)
+    made it, the draft model's own logprob of it."""
 
     accepted: bool
+    draft_logprob: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatDraftLogprobs(msgspec.Struct):

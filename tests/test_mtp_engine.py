@@ -86,7 +86,7 @@ class RecordingProposer(MTPProposer):
         proposals = super().propose(requests)
         for request, drafts in zip(requests, proposals):
             if len(drafts):
-                self.records.append((request.token_ids.tolist(), self._drafts[request.seq_id].token_ids.tolist()))
+                self.records.append((request.token_ids.tolist(), self._drafts[request.seq_id][0].tolist()))
         return proposals
 
 

@@ -116,3 +116,52 @@ def test_graphed_mtp_steps_draft_and_emit_as_eager_ones(default_model_path, head
     graphed = asyncio.run(_proposals(default_model_path, head_path, cuda_graphs=True))
     assert len(eager[1]) > 50
     assert graphed == eager
+
+
+def test_the_draft_sampler_on_the_gpu_matches_its_numpy_twin():
+    import cupy
+
+    from cupyspec.spec_decode.proposers.mtp import DraftSampling, _draw
+
+    rng = np.random.default_rng(11)
+    rows, vocab = 24, 49152
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    params = tuple(SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
+                   for t, p, k, m in zip(rng.uniform(0.3, 1.5, rows), rng.uniform(0.5, 1.0, rows),
+                                         rng.choice([0, 5, 50], rows), rng.choice([0.0, 0.05], rows)))
+    sampling = DraftSampling(np.arange(rows), params, rng.integers(0, 2**63, rows).astype(np.uint64))
+    positions = rng.integers(0, 4000, rows)
+    results = []
+    for xp in (np, cupy):
+        picks, lps = xp.zeros(rows, np.int64), xp.zeros(rows, np.float32)
+        q = _draw(xp, xp.asarray(logits), xp.asarray(positions), sampling, picks, lps)
+        results.append([cupy.asnumpy(a) for a in (picks, lps, q)])
+    (cpu_picks, cpu_lps, cpu_q), (gpu_picks, gpu_lps, gpu_q) = results
+    np.testing.assert_array_equal(gpu_picks, cpu_picks)
+    np.testing.assert_allclose(gpu_lps, cpu_lps, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gpu_q, cpu_q, atol=1e-6)
+
+
+def test_sampled_requests_draft_alike_with_and_without_graphs(default_model_path, head_path):
+    """Seeded sampled requests: their drafts are drawn eagerly after a graphed forward pass, as after
+    an eager one, and the tokens are the same."""
+    async def answers(cuda_graphs: bool) -> list:
+        speculative = SpeculativeConfig(method="mtp", model=head_path, num_model_steps=2, num_speculative_tokens=2,
+                                        cost_aware_backoff=False, min_acceptance_rate=0.0)
+        engine = await AsyncEngine.create(EngineConfig(model=default_model_path, device="cuda", cuda_graphs=cuda_graphs,
+                                                       speculative=speculative,
+                                                       cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)))
+
+        async def answer(prompt: str, seed: int) -> list[int]:
+            params = SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=seed, max_tokens=32)
+            tokens = []
+            async for out in engine.chat([{"role": "user", "content": prompt}], params):
+                tokens += [t for d in out.deltas for t in d.token_ids]
+            return tokens
+
+        try:
+            return list(await asyncio.gather(*(answer(p, i) for i, (p, _) in enumerate(GOLDEN_PROMPTS))))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(answers(True)) == asyncio.run(answers(False))

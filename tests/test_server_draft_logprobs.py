@@ -70,6 +70,7 @@ class DraftScriptEngine:
         self.renderer = LogprobRenderer(np, VocabJSON.build(TokenText(self.tokenizer), 256))
         self.model_name, self.max_model_len = "scripted", 64
         self.is_serving = True
+        self.drafts_with_model = False
 
     def _delta(self, choice: int, step: int, params: SamplingParams, speculates: bool) -> CompletionDelta:
         emitted, drafts = STEPS[step]
@@ -347,12 +348,14 @@ def live_choices(server: LiveServer, endpoint: str, stream: bool) -> tuple[dict[
 
 def test_live_draft_logprobs_agree_with_speculate_metrics(spec_server: LiveServer) -> None:
     """Meaningful once the engine fills CompletionDelta.draft_logprobs (fails while it sends None)."""
-    check_live_drafts(spec_server)
+    check_live_drafts(spec_server, model_drafts=False)
 
 
-def check_live_drafts(server: LiveServer) -> None:
+def check_live_drafts(server: LiveServer, model_drafts: bool) -> None:
     """Both endpoints, streamed and whole: every content chunk has draft_logprobs, each draft's
-    logprob and alternatives are in order, and the drafts and accepted ones add up to the metrics."""
+    logprob and alternatives are in order, and the drafts and accepted ones add up to the metrics;
+    model_drafts: every draft carries the draft model's own logprob (else none does)."""
+    vocab = TinySpec().vocab
     for endpoint in ("completions", "chat"):
         for stream in (False, True):
             choices, metrics = live_choices(server, endpoint, stream)
@@ -361,11 +364,20 @@ def check_live_drafts(server: LiveServer) -> None:
             for parts in choices.values():
                 assert parts and all("draft_logprobs" in p for p in parts)
                 if endpoint == "chat":
+                    entries = [d for p in parts for d in p["draft_logprobs"]["content"]]
                     drafts = [(d["token"], d["logprob"], d["accepted"], len(d["top_logprobs"]) == TOP)
-                              for p in parts for d in p["draft_logprobs"]["content"]]
+                              for d in entries]
+                    model_lps = [d.get("draft_logprob") for d in entries]
                 else:
                     drafts = check_completion_drafts(parts)
+                    model_lps = concat_lists([p["draft_logprobs"] for p in parts]).get(
+                        "draft_token_logprobs", [None] * len(drafts))
                 assert all(lp <= 0.0 and top_ok for _t, lp, _a, top_ok in drafts), drafts
+                if model_drafts:  # the head's logprob of its greedy draft: its most likely token's
+                    in_range = [lp is not None and -np.log(vocab) <= lp <= 0.0 for lp in model_lps]
+                    assert all(in_range), (endpoint, stream, model_lps)
+                else:
+                    assert model_lps == [None] * len(drafts)
                 drafts_of_choices.append(drafts)
             assert sum(len(d) for d in drafts_of_choices) == metrics["num_draft_tokens"], (endpoint, stream)
             assert sum(a for d in drafts_of_choices for _t, _lp, a, _ok in d) == metrics["num_accepted_tokens"]
@@ -385,7 +397,7 @@ def mtp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]
 
 
 def test_live_mtp_draft_logprobs_agree_with_speculate_metrics(mtp_server: LiveServer) -> None:
-    check_live_drafts(mtp_server)
+    check_live_drafts(mtp_server, model_drafts=True)
 
 
 def check_completion_drafts(parts: list[dict]) -> list[tuple[str, float, bool, bool]]:

@@ -191,6 +191,7 @@ class ScriptedEngine:
         self.model_name, self.max_model_len = "scripted", 64
         self.aborted: list[str] = []
         self.is_serving = True
+        self.drafts_with_model = False
 
     async def generate(self, prompt, params, request_id, speculation=None):  # noqa: ANN001, ANN201
         errors = {"bad": InvalidRequestError("prompt is bad", "prompt"), "full": EngineOverloadedError("full"),

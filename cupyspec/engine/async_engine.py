@@ -355,6 +355,11 @@ class AsyncEngine:
     # ---------------------------------------------------------------- state
 
     @property
+    def drafts_with_model(self) -> bool:
+        """Drafts come from a draft model (an MTP head), whose own logprobs their records carry."""
+        return self.runner.mtp is not None
+
+    @property
     def is_serving(self) -> bool:
         """Takes requests: not shut down, and the step loop has not failed."""
         return not self._closed and self._loop_task is not None and not self._loop_task.done()

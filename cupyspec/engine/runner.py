@@ -33,10 +33,10 @@ from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.sampler import SamplerOutput, max_logprobs, sample_tokens_on_device
 from cupyspec.scheduling.scheduler import SchedulerOutput
-from cupyspec.spec_decode.proposers.mtp import MTPDrafting
+from cupyspec.spec_decode.proposers.mtp import Drafted, MTPDrafting
 from cupyspec.spec_decode.proposers.mtp_graphs import DraftGraphs
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
-from cupyspec.spec_decode.verification.verify import VerifyInput
+from cupyspec.spec_decode.verification.verify import VerifyInput, draft_distributions
 from cupyspec.spec_decode.verification.verify_step import LogprobStream, PendingVerdict, StepVerdict, launch_verify
 from cupyspec.text.token_text import TokenBytes, TokenText
 from cupyspec.transfer import HostTransfer, to_device
@@ -64,6 +64,7 @@ class LaunchedStep(NamedTuple):
     num_sample_arrays: int  # how many of the transferred arrays sampling filled (0: none, or verified)
     verdict: PendingVerdict | None  # a speculative step's verification
     mtp_drafts: HostTransfer | None = None  # the MTP head's drafts and their logprobs, each [S, num_model_steps]
+    mtp_probs: Any | None = None  # [Sd, num_model_steps, V] (device): q of the drafts drawn at random
 
     def ready(self) -> bool:
         """Whether its results, but a verified step's logprobs, are on the host (collecting would not wait)."""
@@ -121,20 +122,22 @@ class ModelRunner:
             step = self._sample_or_verify(inputs, forward)
             if self.mtp is None or not inputs.owners:
                 return step
-            return step._replace(mtp_drafts=HostTransfer(self.backend.xp, self._draft(inputs, forward, step)))
+            drafted = self._draft(inputs, forward, step)
+            return step._replace(mtp_drafts=HostTransfer(self.backend.xp, [drafted.tokens, drafted.logprobs]),
+                                 mtp_probs=drafted.probs)
 
-    def _draft(self, inputs: StepInputs, forward: _Forward, step: LaunchedStep) -> list[Any]:
-        """The MTP head's drafts [S, num_model_steps] and their logprobs from each sampling sequence's
-        last accepted row, queued after sampling or verification."""
+    def _draft(self, inputs: StepInputs, forward: _Forward, step: LaunchedStep) -> Drafted:
+        """The MTP head's drafts from each sampling sequence's last accepted row, queued after
+        sampling or verification."""
         accepted, tokens = None, self.sampled_tokens[:len(inputs.owners)]  # [S]
         if step.verdict is not None:
             accepted, tokens = step.verdict.runs_on_device  # [S] each: accepted drafts, emitted token
         if forward.static:
-            return list(self.draft_graphs.run(inputs.first_rows, accepted, tokens))
+            return self.draft_graphs.run(inputs.first_rows, accepted, tokens, inputs.draft_sampling)
         rows = to_device(self.backend.xp, inputs.first_rows)  # [S]
         if accepted is not None:
             rows = rows + accepted
-        return list(self.mtp.draft_from(forward.residual, forward.batch, rows, tokens, self.kv))
+        return self.mtp.draft_from(forward.residual, forward.batch, rows, tokens, self.kv, inputs.draft_sampling)
 
     def _sample_or_verify(self, inputs: StepInputs, forward: _Forward) -> LaunchedStep:
         """Sampling or verification of the step's target rows, and their logprobs, queued."""
@@ -143,9 +146,14 @@ class ModelRunner:
         arrays: list[Any] = []
         verdict = None
         if target_logits is not None and inputs.num_drafts.any():
+            probs = None  # [S, K, V]: q of the drafts, where a draft model drew some
+            if self.speculative.verify_strategy == "rejection":
+                probs = draft_distributions(xp, inputs.drafts, inputs.num_drafts, inputs.draft_probs,
+                                            target_logits.shape[1])
             verdict = launch_verify(
                 xp, target_logits,
-                VerifyInput(inputs.drafts, inputs.num_drafts, None, inputs.sampling, inputs.accept_uniforms),
+                VerifyInput(inputs.drafts, inputs.num_drafts, probs, inputs.sampling, inputs.accept_uniforms,
+                            inputs.draft_logprobs),
                 inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
                 self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs,
                 inputs.first_rows if static else None)
@@ -195,7 +203,10 @@ class ModelRunner:
         if inputs.prompt_owner:
             _add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
         if step.mtp_drafts is not None:
-            self.mtp.proposer.remember(inputs.seq_ids, *step.mtp_drafts.result())
+            probs = None
+            if step.mtp_probs is not None:
+                probs = {int(s): step.mtp_probs[i] for i, s in enumerate(inputs.draft_sampling.rows)}
+            self.mtp.proposer.remember(inputs.seq_ids, *step.mtp_drafts.result(), probs)
         return outputs
 
     @staticmethod

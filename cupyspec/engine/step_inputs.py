@@ -3,7 +3,7 @@ that pick or verify tokens, and the prompt rows that score prompt logprobs."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -13,6 +13,8 @@ from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
 from cupyspec.scheduling.scheduler import SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.proposers.base import Drafts
+from cupyspec.spec_decode.proposers.mtp import DraftSampling
 from cupyspec.spec_decode.verification.verify import PLACEHOLDER_TOKEN_ID
 from cupyspec.spec_decode.verification.verify_step import LogprobRequests
 
@@ -33,8 +35,11 @@ class StepInputs(NamedTuple):
     prompt_rows: np.ndarray  # [P] int64: rows scoring the next prompt token
     prompt_targets: np.ndarray  # [P] int64: that next prompt token
     prompt_owner: tuple[tuple[int, int, int], ...]  # [P]: (scheduled index, target position, top k)
+    draft_probs: tuple[Any | None, ...] = ()  # [S]: q [k, V] of each sequence's drafts, where a draft model drew them
+    draft_logprobs: np.ndarray | None = None  # [S, K] f32: the draft model's logprob of each draft (NaN: none)
     seq_ids: tuple[int, ...] = ()  # [S]: each sampling sequence's seq_id, for an MTP head
     next_token_ids: np.ndarray | None = None  # [T] int32: the token after each row, for an MTP head
+    draft_sampling: DraftSampling | None = None  # the sampling sequences that draw an MTP head's drafts
 
 
 def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
@@ -58,7 +63,9 @@ class _TargetRows:
         self.owners: list[int] = []  # scheduled index of each sampling sequence
         self.first_rows: list[int] = []  # batch row of its first target row
         self.drafts: list[list[int]] = []  # its drafts
+        self.proposals: list[Drafts | None] = []  # their draft model's distributions and logprobs
         self.params: list[SamplingParams] = []  # its parameters
+        self.keys: list[int] = []  # its sampling key
         self._drawn, self._keys, self._positions = [], [], []  # rows that draw at random: index, key, position
 
     def add(self, index: int, seq: Sequence, drafts: list[int], first_row: int) -> None:
@@ -67,7 +74,9 @@ class _TargetRows:
         self.owners.append(index)
         self.first_rows.append(first_row)
         self.drafts.append(drafts)
+        self.proposals.append(seq.proposal.first(len(drafts)) if seq.proposal is not None and drafts else None)
         self.params.append(seq.params)
+        self.keys.append(seq.sampling_key)
         self.rows.extend(range(first_row, first_row + count))
         if not seq.params.greedy:
             self._drawn.extend(range(len(self.sampling), len(self.sampling) + count))
@@ -115,6 +124,27 @@ def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
     return drafts
 
 
+def _draft_logprobs(proposals: list[Drafts | None], max_drafts: int) -> np.ndarray | None:
+    """[S, K] f32: the draft model's logprob of each draft, NaN where there is none; None when no
+    sequence has any."""
+    if all(p is None or p.logprobs is None for p in proposals):
+        return None
+    out = np.full((len(proposals), max_drafts), np.nan, dtype=np.float32)
+    for s, proposal in enumerate(proposals):
+        if proposal is not None and proposal.logprobs is not None:
+            out[s, :len(proposal)] = proposal.logprobs
+    return out
+
+
+def _draft_sampling(targets: _TargetRows) -> DraftSampling | None:
+    """The sampling sequences that draw at random, for an MTP head's drafting; None if none does."""
+    rows = [s for s, p in enumerate(targets.params) if not p.greedy]
+    if not rows:
+        return None
+    return DraftSampling(np.array(rows, dtype=np.int64), tuple(targets.params[s] for s in rows),
+                         np.array([targets.keys[s] for s in rows], dtype=np.uint64))
+
+
 def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = False) -> StepInputs:
     """The flat batch of the scheduled segments (each a prefill chunk, one token, or [last token,
     d1..dk]), the rows that pick or verify tokens with their sampling rows and random draws, and the
@@ -143,6 +173,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = Fals
             targets.add(i, seq, drafts, row + n - 1)
         row += n + len(drafts)
     accept_uniforms = targets.draw_uniforms()
+    drafts = _drafts_array(targets.drafts)
     return StepInputs(
         batch=flat_batch(token_ids, lengths, starts, block_ids, block_size),
         target_rows=np.array(targets.rows, dtype=np.int64),
@@ -150,7 +181,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = Fals
         accept_uniforms=accept_uniforms,
         owners=tuple(targets.owners),
         first_rows=np.array(targets.first_rows, dtype=np.int64),
-        drafts=_drafts_array(targets.drafts),
+        drafts=drafts,
         num_drafts=np.array([len(d) for d in targets.drafts], dtype=np.int64),
         logprobs=LogprobRequests(tuple(p.logprobs for p in targets.params),
                                  tuple(p.include_draft_logprobs for p in targets.params),
@@ -158,6 +189,9 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = Fals
         prompt_rows=np.array(prompt.rows, dtype=np.int64),
         prompt_targets=np.array(prompt.targets, dtype=np.int64),
         prompt_owner=tuple(prompt.owner),
+        draft_probs=tuple(p.probs if p is not None else None for p in targets.proposals),
+        draft_logprobs=_draft_logprobs(targets.proposals, drafts.shape[1]),
         seq_ids=tuple(sched.scheduled[i].seq.seq_id for i in targets.owners) if for_mtp else (),
         next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
+        draft_sampling=_draft_sampling(targets) if for_mtp else None,
     )

@@ -6,6 +6,8 @@ its tokens come through speculation: the token at output position p always uses 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -13,6 +15,7 @@ _STREAM = np.uint64(0xD1B54A32D192ED03)
 
 SAMPLE_STREAM = 0  # picks a token (inverse CDF)
 ACCEPT_STREAM = 1  # accepts or rejects a draft (speculative sampling)
+DRAFT_STREAM = 2  # picks a draft token from a draft model's distribution (on the device: MTP)
 
 
 def sampling_key(seed: int, choice_index: int) -> int:
@@ -20,8 +23,9 @@ def sampling_key(seed: int, choice_index: int) -> int:
     return int(counter_uniform_bits(np.array([seed & (2**64 - 1)], np.uint64), np.array([choice_index]), 7)[0])
 
 
-def counter_uniform_bits(keys: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
-    """splitmix64 of key + position and stream offsets: [R] uint64 -> [R] uint64."""
+def counter_uniform_bits(keys: Any, positions: Any, stream: int) -> Any:
+    """splitmix64 of key + position and stream offsets: [R] uint64 -> [R] uint64 (NumPy or CuPy
+    arrays, with the same bits: unsigned arithmetic wraps on both)."""
     with np.errstate(over="ignore"):
         x = (keys.astype(np.uint64) + positions.astype(np.uint64) * _GOLDEN
              + np.uint64(stream + 1) * _STREAM)
@@ -30,6 +34,6 @@ def counter_uniform_bits(keys: np.ndarray, positions: np.ndarray, stream: int) -
         return x ^ (x >> np.uint64(31))
 
 
-def counter_uniforms(keys: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
-    """Uniform draws in [0, 1): keys [R] uint64, positions [R] int -> [R] float64."""
+def counter_uniforms(keys: Any, positions: Any, stream: int) -> Any:
+    """Uniform draws in [0, 1): keys [R] uint64, positions [R] int -> [R] float64, on the arrays' device."""
     return (counter_uniform_bits(keys, positions, stream) >> np.uint64(11)).astype(np.float64) * 2.0**-53

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec_decode.proposers.base import Drafts
 from cupyspec.spec_decode.stats import SpecStats
 
 _seq_ids = itertools.count()
@@ -40,6 +41,7 @@ class Sequence:
     num_preemptions: int = 0
     max_drafts: int = 0  # this choice's cap on draft tokens per step (0: no speculation)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
+    proposal: Drafts | None = None  # their distributions and draft-model logprobs, when a draft model made them
     num_placed_tokens: int = 0  # its last output tokens, taken ahead of their delivery (OutputProcessor.place_tokens)
     spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None

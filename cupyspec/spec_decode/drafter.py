@@ -199,7 +199,7 @@ class Drafter:
     def propose(self, running: Seq[Sequence], limits: dict[int, int]) -> None:
         """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none."""
         for seq in self._drafted:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.proposal = [], None
         asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0] if any(limits.values()) else []
         self._asked = {seq.seq_id for seq in asking}
         self._drafted = asking
@@ -208,7 +208,9 @@ class Drafter:
         requests = [DraftRequest(seq.seq_id, seq.request_id, self.contexts.of(seq), seq.num_prompt_tokens,
                                  limits[seq.seq_id]) for seq in asking]
         for seq, drafts in zip(asking, self.proposer.propose(requests)):
-            seq.draft_token_ids = drafts.token_ids[:limits[seq.seq_id]].tolist()
+            drafts = drafts.first(limits[seq.seq_id])
+            seq.draft_token_ids = drafts.token_ids.tolist()
+            seq.proposal = drafts if drafts.probs is not None or drafts.logprobs is not None else None
             seq.spec.record_proposal(bool(seq.draft_token_ids))
 
     def after_step(self, running: Seq[Sequence]) -> None:

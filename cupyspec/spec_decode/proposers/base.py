@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,12 +38,13 @@ class Drafts:
     """Draft tokens for one sequence and, optionally, the distributions they were drawn from and
     the draft model's logprob of each.
 
-    `probs is None` means a one-hot draft distribution on each token (model-free proposers).
+    `probs is None` means a one-hot draft distribution on each token (model-free proposers, and a
+    draft model's greedy drafts).
     """
 
     token_ids: np.ndarray  # [k] int32
-    probs: np.ndarray | None = None  # [k, V] float32, or None: one-hot on token_ids
-    logprobs: np.ndarray | None = None  # [k] float32: the draft model's own logprobs (an MTP head's)
+    probs: Any | None = None  # [k, V] float32 (host, or the model's device), or None: one-hot on token_ids
+    logprobs: np.ndarray | None = None  # [k] float32: the draft model's own logprobs (an MTP head's), NaN where none
 
     def __post_init__(self) -> None:
         ids = self.token_ids
@@ -55,10 +57,14 @@ class Drafts:
         if ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {ids.shape}")
         if self.probs is not None:
-            probs = np.asarray(self.probs, dtype=np.float32)
-            if probs.ndim != 2 or probs.shape[0] != ids.size:
-                raise ValueError(f"probs must have shape [{ids.size}, V], got {probs.shape}")
+            probs = self.probs
+            if not hasattr(probs, "__cuda_array_interface__"):
+                probs = np.asarray(probs, dtype=np.float32)
+            if probs.ndim != 2 or probs.shape[0] != ids.size or probs.dtype != np.float32:
+                raise ValueError(f"probs must be float32 of shape [{ids.size}, V], got {probs.dtype} {probs.shape}")
             object.__setattr__(self, "probs", probs)
+        if self.logprobs is not None and np.shape(self.logprobs) != (ids.size,):
+            raise ValueError(f"logprobs must have shape [{ids.size}], got {np.shape(self.logprobs)}")
 
     def __len__(self) -> int:
         return int(self.token_ids.size)

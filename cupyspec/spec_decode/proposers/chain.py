@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from cupyspec.spec_decode.proposers.base import DraftRequest, Drafts, Proposer
+from cupyspec.transfer import array_module
 
 
 class ChainProposer(Proposer):
@@ -16,7 +18,8 @@ class ChainProposer(Proposer):
 
     Draft probabilities: when neither part has any, the result has none (one-hot). When one part has
     them, the other part's rows are filled in one-hot (that is the distribution a model-free proposer
-    drafts from), so every row keeps the distribution its token was drawn from.
+    drafts from), on the same device, so every row keeps the distribution its token was drawn from.
+    Draft-model logprobs likewise, NaN on the rows of a part without them.
     """
 
     def __init__(self, first: Proposer, second: Proposer, first_count: int) -> None:
@@ -57,18 +60,27 @@ def _join(head: Drafts, tail: Drafts) -> Drafts:
     if not len(head):
         return tail
     token_ids = np.concatenate([head.token_ids, tail.token_ids])  # [k1 + k2]
+    logprobs = None
+    if head.logprobs is not None or tail.logprobs is not None:
+        logprobs = np.concatenate([_logprobs(head), _logprobs(tail)]).astype(np.float32)  # [k1 + k2]
     if head.probs is None and tail.probs is None:
-        return Drafts(token_ids)
+        return Drafts(token_ids, logprobs=logprobs)
     vocab = {d.probs.shape[1] for d in (head, tail) if d.probs is not None}
     if len(vocab) != 1:
         raise ValueError(f"chained proposers disagree on the vocabulary size: {sorted(vocab)}")
-    return Drafts(token_ids, np.concatenate([_rows(head, *vocab), _rows(tail, *vocab)]))
+    xp = array_module(head.probs if head.probs is not None else tail.probs)
+    return Drafts(token_ids, xp.concatenate([_rows(xp, head, *vocab), _rows(xp, tail, *vocab)]), logprobs)
 
 
-def _rows(drafts: Drafts, vocab_size: int) -> np.ndarray:
-    """[k, V] float32: the draft distributions, one-hot where the proposer gave none."""
+def _logprobs(drafts: Drafts) -> np.ndarray:
+    """[k]: the draft model's logprobs, NaN where the proposer has none."""
+    return drafts.logprobs if drafts.logprobs is not None else np.full(len(drafts), np.nan, np.float32)
+
+
+def _rows(xp: Any, drafts: Drafts, vocab_size: int) -> Any:
+    """[k, V] float32 on xp's device: the draft distributions, one-hot where the proposer gave none."""
     if drafts.probs is not None:
         return drafts.probs
-    rows = np.zeros((len(drafts), vocab_size), dtype=np.float32)
-    rows[np.arange(len(drafts)), drafts.token_ids] = 1.0
+    rows = xp.zeros((len(drafts), vocab_size), dtype=np.float32)
+    rows[xp.arange(len(drafts)), xp.asarray(drafts.token_ids)] = 1.0
     return rows

@@ -9,7 +9,10 @@ Two parts, each over device arrays only, so that both run inside CUDA graphs:
 2. Drafting, after sampling or verification (`MTPDrafting.draft`): from each sampling sequence's
    boundary row (its last accepted row) and the token the step emitted after it, `num_model_steps`
    head steps, each on the residual and draft of the one before, one position further. The first
-   rewrites the K/V that the catch-up wrote at the boundary with a guessed next token.
+   rewrites the K/V that the catch-up wrote at the boundary with a guessed next token. A greedy
+   sequence drafts the head's argmax; one that samples draws its draft from the head's distribution
+   q under its own temperature, top-k, top-p and min-p (penalties left out), with the counter-based
+   draw of the draft's position (`DRAFT_STREAM`), and q goes to verification with the draft.
 
 So every position below a sequence's length holds the head's K/V of its true next token: rows past
 a boundary (rejected drafts) and drafting steps 2.. write K/V only at positions that the next
@@ -20,8 +23,8 @@ step to the drafter as the proposal for its next one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,9 +33,30 @@ from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.model.mtp import MTPHead, load_head_weights
 from cupyspec.sampling.argmax import argmax_logprobs
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.sampling.sampler import inverse_cdf, rank_probs
+from cupyspec.sampling.uniforms import DRAFT_STREAM, counter_uniforms
 from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, Proposer
 from cupyspec.spec_decode.proposers.chain import ChainProposer
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+from cupyspec.transfer import to_device
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """The drafting rows that draw at random, with their requests' parameters and sampling keys."""
+
+    rows: np.ndarray  # [Sd] int64: indices among the step's sampling sequences
+    params: tuple[SamplingParams, ...]  # [Sd]
+    keys: np.ndarray  # [Sd] uint64
+
+
+class Drafted(NamedTuple):
+    """The head's drafts of a step's sampling sequences (device arrays)."""
+
+    tokens: Any  # [S, num_model_steps] int32
+    logprobs: Any  # [S, num_model_steps] f32: the head's logprob of each (its raw log-softmax)
+    probs: Any | None = None  # [Sd, num_model_steps, V] f32: q of the rows that draw (DraftSampling.rows)
 
 
 class MTPDrafting:
@@ -51,31 +75,54 @@ class MTPDrafting:
         self.head.write_kv(hidden, replace(batch, input_ids=next_ids), kv)
 
     def draft(self, hidden: Any, tokens: Any, positions: Any, block_tables: Any, previous: Any,
-              kv: KVCacheArrays) -> tuple[Any, Any]:
-        """Drafts [S, num_model_steps] int32 and the head's logprob of each [S, num_model_steps] f32,
-        greedy, from S boundaries: hidden [S, H] fp32 the target's hidden state at each boundary row,
-        tokens [S] the token emitted after it, positions [S] int32 its position, block_tables [S, W]
-        int32 its sequence's blocks; previous: the placeholder tokens of DeviceBatch (unused here)."""
+              kv: KVCacheArrays, sampling: DraftSampling | None = None) -> Drafted:
+        """The drafts of S boundaries: hidden [S, H] fp32 the target's hidden state at each boundary
+        row, tokens [S] the token emitted after it, positions [S] int32 its position, block_tables
+        [S, W] int32 its sequence's blocks; previous: the placeholder tokens of DeviceBatch (unused
+        here); sampling: the rows that draw at random (None: every row is greedy)."""
         xp, block_size = self.head.target.backend.xp, kv.block_size
         rows = xp.arange(len(tokens), dtype=np.int32)  # [S]: each row a sequence of its own
-        tokens, drafts, logprobs = tokens.astype(np.int32), [], []
+        tokens, drafts, logprobs, probs = tokens.astype(np.int32), [], [], []
         for _ in range(self.num_model_steps):
             slots = block_tables[rows, positions // block_size] * block_size + positions % block_size  # [S]
             hidden = self.head.step(hidden, DeviceBatch(tokens, positions, rows, slots, block_tables, previous),
                                     kv)  # [S, H]
-            picks, logprob = argmax_logprobs(xp, self.head.logits(hidden))  # [S], [S]
+            logits = self.head.logits(hidden)  # [S, V]
+            picks, logprob = argmax_logprobs(xp, logits)  # [S], [S]
+            if sampling is not None:
+                probs.append(_draw(xp, logits, positions + 2, sampling, picks, logprob))  # the draft's position
             tokens = picks.astype(np.int32)
             drafts.append(tokens)
             logprobs.append(logprob)
             positions = xp.minimum(positions + 1, self.last_position)
-        return xp.stack(drafts, axis=1), xp.stack(logprobs, axis=1)
+        return Drafted(xp.stack(drafts, axis=1), xp.stack(logprobs, axis=1),
+                       xp.stack(probs, axis=1) if probs else None)
 
-    def draft_from(self, hidden: Any, batch: DeviceBatch, boundary_rows: Any, tokens: Any,
-                   kv: KVCacheArrays) -> tuple[Any, Any]:
+    def draft_from(self, hidden: Any, batch: DeviceBatch, boundary_rows: Any, tokens: Any, kv: KVCacheArrays,
+                   sampling: DraftSampling | None = None) -> Drafted:
         """`draft` from the boundary rows [S] of an eager step: hidden [T, H], the step's batch."""
         block_tables = batch.block_tables[batch.batch_id_per_token[boundary_rows]]  # [S, W]
         return self.draft(hidden[boundary_rows], tokens, batch.positions[boundary_rows], block_tables,
-                          batch.previous_tokens, kv)
+                          batch.previous_tokens, kv, sampling)
+
+
+def _draw(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, picks: Any, logprobs: Any) -> Any:
+    """Draw the drafts of the sampling rows from q, the head's logits [S, V] under their requests'
+    parameters, with the draw of each draft's position [S]: into picks [S] (int64) and their head
+    logprobs into logprobs [S]; returns q [Sd, V] f32 in token order."""
+    index = to_device(xp, sampling.rows)  # [Sd]
+    x = logits[index]  # [Sd, V]
+    ranked = rank_probs(xp, x, sampling.params)
+    uniforms = counter_uniforms(to_device(xp, sampling.keys), positions[index], DRAFT_STREAM)  # [Sd]
+    ranks = inverse_cdf(xp, ranked.weights, uniforms[:, None])  # [Sd]
+    drawn = xp.take_along_axis(ranked.order, ranks[:, None], axis=1)[:, 0]  # [Sd]
+    picks[index] = drawn
+    top = x.max(axis=1, keepdims=True)  # [Sd, 1]
+    log_total = top[:, 0] + xp.log(xp.exp(x - top).sum(axis=1))  # [Sd]
+    logprobs[index] = xp.take_along_axis(x, drawn[:, None], axis=1)[:, 0] - log_total
+    q = xp.zeros(x.shape, dtype=np.float32)  # [Sd, V]
+    q[xp.arange(len(index))[:, None], ranked.order] = ranked.weights / ranked.weights.sum(axis=1, keepdims=True)
+    return q
 
 
 class MTPProposer(Proposer):
@@ -84,16 +131,26 @@ class MTPProposer(Proposer):
     method = "mtp"
 
     def __init__(self) -> None:
-        self._drafts: dict[int, Drafts] = {}  # seq_id -> its last step's drafts [num_model_steps]
+        # seq_id -> its last step's drafts [num_model_steps] int32, their head logprobs f32 and q (or None)
+        self._drafts: dict[int, tuple[np.ndarray, np.ndarray, Any | None]] = {}
 
-    def remember(self, seq_ids: Sequence[int], drafts: np.ndarray, logprobs: np.ndarray) -> None:
+    def remember(self, seq_ids: Sequence[int], drafts: np.ndarray, logprobs: np.ndarray,
+                 probs: dict[int, Any] | None = None) -> None:
         """drafts [S, num_model_steps] int32 and the head's logprob of each [S, num_model_steps] f32
-        (host) of the sampling sequences seq_ids [S] of a step."""
-        for seq_id, tokens, lps in zip(seq_ids, drafts, logprobs):
-            self._drafts[seq_id] = Drafts(tokens, logprobs=lps)
+        (host) of the sampling sequences seq_ids [S] of a step; probs: s -> q [num_model_steps, V]
+        (device) of the sequences that drew their drafts. Kept as rows: most are never proposed."""
+        self._drafts.update(zip(seq_ids, zip(drafts, logprobs, [None] * len(seq_ids))))
+        for s, q in (probs or {}).items():
+            tokens, lps, _ = self._drafts[seq_ids[s]]
+            self._drafts[seq_ids[s]] = tokens, lps, q
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
-        return [self._drafts.get(request.seq_id, NO_DRAFTS).first(request.max_drafts) for request in requests]
+        proposals = []
+        for request in requests:
+            drafts = self._drafts.get(request.seq_id)
+            proposals.append(NO_DRAFTS if drafts is None else Drafts(drafts[0], drafts[2], drafts[1])
+                             .first(request.max_drafts))
+        return proposals
 
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         self._drafts.pop(seq_id, None)

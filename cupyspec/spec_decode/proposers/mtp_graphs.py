@@ -18,7 +18,7 @@ import numpy as np
 
 from cupyspec.kernels import programmatic_launches
 from cupyspec.model.cuda_graphs import BUCKETS, CudaGraphs
-from cupyspec.spec_decode.proposers.mtp import MTPDrafting
+from cupyspec.spec_decode.proposers.mtp import Drafted, DraftSampling, MTPDrafting
 
 log = logging.getLogger("cupyspec")
 
@@ -30,7 +30,7 @@ class DraftGraphs:
         import cupy
         import cupyx
 
-        self.forward = forward
+        self.drafting, self.forward = drafting, forward
         rows = forward.padding_row  # the forward graphs' largest bucket, and their padding column
         self.buckets = tuple(b for b in BUCKETS if b <= rows)
         self.buckets = self.buckets[:bisect.bisect_left(self.buckets, max_num_seqs) + 1]
@@ -47,32 +47,36 @@ class DraftGraphs:
         stream = forward.stream
         with cupy.cuda.using_allocator(forward.pool.malloc), stream:
             for bucket in reversed(self.buckets):
-                self._draft(drafting, bucket)  # warm-up outside capture, as the forward graphs'
+                self._draft(bucket)  # warm-up outside capture, as the forward graphs'
                 stream.begin_capture()
                 with programmatic_launches():
-                    self._draft(drafting, bucket)
+                    self._draft(bucket)
                 self.graphs[bucket] = stream.end_capture()
                 self.graphs[bucket].upload(stream)
         stream.synchronize()
         log.info("captured %d MTP drafting graphs for up to %d sequences", len(self.graphs), size)
 
-    def _draft(self, drafting: MTPDrafting, bucket: int) -> None:
+    def _boundaries(self, count: int) -> tuple[Any, ...]:
+        """`MTPDrafting.draft`'s inputs for the first `count` entries, from the static buffers."""
         import cupy
 
         f = self.forward
-        rows = cupy.minimum(self.first_rows[:bucket] + self.accepted[:bucket], self.padding)  # [bucket]
-        positions, batch_ids = f.tokens[1][rows], f.tokens[2][rows]  # [bucket] each
-        drafts, logprobs = drafting.draft(f.residual[rows], self.tokens[:bucket], positions, f.tables[batch_ids],
-                                          f.previous_tokens, f.kv)
-        self.drafts[:bucket] = drafts
-        self.logprobs[:bucket] = logprobs
+        rows = cupy.minimum(self.first_rows[:count] + self.accepted[:count], self.padding)  # [count]
+        positions, batch_ids = f.tokens[1][rows], f.tokens[2][rows]  # [count] each
+        return f.residual[rows], self.tokens[:count], positions, f.tables[batch_ids], f.previous_tokens, f.kv
 
-    def run(self, first_rows: np.ndarray, accepted: Any | None, tokens: Any) -> tuple[Any, Any]:
-        """Drafts [S, steps] int32 and their head logprobs [S, steps] f32 (views of static buffers,
-        valid until the next run) from S sequences' first target rows first_rows [S] (host) of the
-        step the forward graphs ran last, their accepted drafts [S] (device; None: none) and the
-        tokens emitted after them [S] (device). A step holds at most max_num_seqs sequences, and at
-        most as many as the forward graphs' rows: the largest bucket holds them."""
+    def _draft(self, bucket: int) -> None:
+        drafted = self.drafting.draft(*self._boundaries(bucket))
+        self.drafts[:bucket] = drafted.tokens
+        self.logprobs[:bucket] = drafted.logprobs
+
+    def run(self, first_rows: np.ndarray, accepted: Any | None, tokens: Any,
+            sampling: DraftSampling | None = None) -> Drafted:
+        """The drafts of S sequences from their first target rows first_rows [S] (host) in the step
+        the forward graphs ran last, their accepted drafts [S] (device; None: none) and the tokens
+        emitted after them [S] (device): greedy ones by a graph (views of static buffers, valid until
+        the next run), else eagerly over the same inputs. A step holds at most max_num_seqs
+        sequences, and at most as many as the forward graphs' rows: the largest bucket holds them."""
         num_seqs = len(first_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
         turn, self._turn = self._turn, self._turn ^ 1
@@ -85,5 +89,7 @@ class DraftGraphs:
         else:
             self.accepted[:num_seqs] = accepted
         self.tokens[:num_seqs] = tokens
+        if sampling is not None:
+            return self.drafting.draft(*self._boundaries(num_seqs), sampling)
         self.graphs[bucket].launch(self.forward.stream)
-        return self.drafts[:num_seqs], self.logprobs[:num_seqs]
+        return Drafted(self.drafts[:num_seqs], self.logprobs[:num_seqs])

@@ -25,6 +25,7 @@ receives accept counts and emitted tokens in one transfer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ class VerifyInput:
     draft_probs: Any | None  # [B, K, V] f32 on the device, or None: one-hot drafts (ngram, suffix)
     rows: tuple[SamplingRow, ...]  # [R = sum(num_drafts + 1)]; each row's output ids include the drafts before it
     extra_uniforms: np.ndarray  # [R] float64 host: the draws of the acceptance tests (`rejection`)
+    draft_logprobs: np.ndarray | None = None  # [B, K] f32 host: the draft model's logprob of each draft (NaN: none)
 
     def __post_init__(self) -> None:
         drafts = np.asarray(self.draft_token_ids)
@@ -67,6 +69,8 @@ class VerifyInput:
             raise ValueError(f"extra_uniforms must have shape [{num_rows}], got {uniforms.shape}")
         if uniforms.size and not (uniforms.min() >= 0.0 and uniforms.max() < 1.0):
             raise ValueError("extra_uniforms must lie in [0, 1)")
+        if self.draft_logprobs is not None and np.shape(self.draft_logprobs) != drafts.shape:
+            raise ValueError(f"draft_logprobs must have shape {drafts.shape}, got {np.shape(self.draft_logprobs)}")
         object.__setattr__(self, "draft_token_ids", drafts.astype(np.int64, copy=False))
         object.__setattr__(self, "num_drafts", num.astype(np.int64, copy=False))
         object.__setattr__(self, "extra_uniforms", uniforms)
@@ -109,6 +113,25 @@ class DeviceVerdict:
     def to_host(self, xp: Any, inp: VerifyInput) -> VerifyOutput:
         num_accepted, emitted = fetch_arrays(xp, [self.runs])[0]
         return VerifyOutput.of(inp, num_accepted, emitted)
+
+
+def draft_distributions(xp: Any, draft_token_ids: np.ndarray, num_drafts: np.ndarray, probs: Sequence[Any | None],
+                        vocab: int) -> Any | None:
+    """VerifyInput.draft_probs [B, K, V] f32 on xp's device from each request's q [k, V] (None: its
+    drafts are one-hot); None when no request has any."""
+    if all(p is None for p in probs):
+        return None
+    batch, k = draft_token_ids.shape
+    out = xp.zeros((batch, k, vocab), dtype=np.float32)
+    one_hot = np.array([p is None for p in probs]) & (num_drafts > 0)  # [B]
+    request = np.repeat(np.arange(batch), np.where(one_hot, num_drafts, 0))  # [D1]
+    position = np.concatenate([np.arange(n) for n in num_drafts[one_hot]] or [np.zeros(0, np.int64)])  # [D1]
+    if request.size:
+        out[to_device(xp, request), to_device(xp, position), to_device(xp, draft_token_ids[request, position])] = 1.0
+    for b, p in enumerate(probs):
+        if p is not None:
+            out[b, :len(p)] = p
+    return out
 
 
 def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,

@@ -284,7 +284,9 @@ def _draft_logprobs(host: GatheredLogprobs, wants_fields: np.ndarray, inp: Verif
             out.append(None)
             continue
         lo, n = offsets[b], num_drafts[b]
+        model_lps = ([None] * n if inp.draft_logprobs is None else
+                     [None if lp != lp else lp for lp in inp.draft_logprobs[b, :n].tolist()])  # NaN: none
         out.append(_records(DraftLogprob, inp.draft_token_ids[b, :n].tolist(), lps[lo:lo + n],
                             *_top_rows(top_ids, top_lps, lo, lo + n, top_k[b] or 0),
-                            [j < num_accepted[b] for j in range(n)]))
+                            [j < num_accepted[b] for j in range(n)], model_lps))
     return tuple(out)
