@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
+from cupyspec.spec_decode.proposers.mtp import head_file
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 log = logging.getLogger("cupyspec.server")
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configuration from the command line; invalid values raise ValueError."""
+    speculative = SpeculativeConfig.from_json(args.speculative_config)
+    if speculative.method == "mtp":
+        head_file(speculative, args.model)  # an MTP head is given or ships for the model
     return EngineConfig(
         model=args.model, device=args.device, served_model_name=args.served_model_name, seed=args.seed,
         cpu_threads=args.cpu_threads,
@@ -123,7 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests),
-        speculative=SpeculativeConfig.from_json(args.speculative_config),
+        speculative=speculative,
         overlap_logprobs=not args.no_logprobs_overlap,
         cuda_graphs=not args.enforce_eager,
         overlap_scheduling=not args.no_overlap_scheduling,

@@ -103,7 +103,6 @@ SUFFIX: dict[str, Any] = {"method": "suffix"}
     ('["ngram"]', "must be a JSON object"),
     ({"method": "mtp", "num_speculative_tokens": 1, "model": "head", "quantization": "wint4"},
      "quantization 'wint4' is not supported"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "method 'mtp' needs 'model'"),
     ({"method": "mtp", "num_speculative_tokens": 1, "num_model_steps": 2, "model": "head"},
      "num_speculative_tokens must be at least num_model_steps"),
 ])
@@ -111,6 +110,14 @@ def test_bad_speculative_config_names_the_key_and_the_rule(spec: dict[str, Any] 
     with pytest.raises(ValueError) as info:
         speculative_config_of(spec)
     assert str(info.value).startswith("speculative config") and message in str(info.value)
+
+
+def test_mtp_without_a_head_file_takes_the_default_models_shipped_head(tmp_path) -> None:
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3})
+    assert engine_config(build_parser().parse_args(["--speculative-config", spec])).speculative.model is None
+    with pytest.raises(ValueError, match="method 'mtp' needs 'model'"):
+        engine_config(build_parser().parse_args(["--model", str(tmp_path / "other.gguf"), "--speculative-config",
+                                                 spec]))
 
 
 def test_naive_forces_no_drafts_and_limits_are_accepted() -> None:

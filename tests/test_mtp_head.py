@@ -106,3 +106,18 @@ def test_the_head_writes_only_its_own_layer_of_the_pool(tiny):
     np.testing.assert_array_equal(kv.k[:-1], target_k)
     np.testing.assert_array_equal(kv.v[:-1], target_v)
     assert kv.k[-1, :2].any() and not kv.k[-1, 2:].any()  # positions 0..7: blocks 0 and 1
+
+
+def test_the_shipped_head_fits_the_default_model_and_its_checksum():
+    from cupyspec.config import ModelConfig
+    from cupyspec.loader.default_model import DEFAULT_MODEL, shipped_mtp_head
+
+    path, sha256 = shipped_mtp_head(DEFAULT_MODEL)
+    config = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+                         bos_token_id=1, eos_token_ids=(2,))
+    weights = load_head_weights(path, config, sha256)
+    assert set(weights) == set(head_tensor_shapes(config))
+    with pytest.raises(ValueError, match="sha256"):
+        load_head_weights(path, config, "0" * 64)

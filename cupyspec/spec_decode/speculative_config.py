@@ -31,7 +31,7 @@ class SpeculativeConfig:
     method: str | None = None
     num_speculative_tokens: int = 0
     num_model_steps: int = 1
-    model: str | None = None  # MTP weights
+    model: str | None = None  # MTP weights; None: the head shipped for the served model
     quantization: str | None = None
     verify_strategy: str = "rejection"
     accept_policy: str = "normal"
@@ -61,7 +61,6 @@ class SpeculativeConfig:
              f"num_model_steps must be a positive integer, not {self.num_model_steps!r}")
         need(self.method != "mtp" or self.num_speculative_tokens >= self.num_model_steps,
              "num_speculative_tokens must be at least num_model_steps")
-        need(self.method != "mtp" or bool(self.model), "method 'mtp' needs 'model' (the MTP weights)")
         need(self.quantization is None,
              f"quantization {self.quantization!r} is not supported: the MTP head runs in the target's precision")
         need(self.verify_strategy in VERIFY_STRATEGIES,

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from cupyspec.loader.default_model import shipped_mtp_head
 from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
@@ -156,13 +157,27 @@ class MTPProposer(Proposer):
         self._drafts.pop(seq_id, None)
 
 
+def head_file(config: SpeculativeConfig, served_model: str) -> tuple[str, str | None]:
+    """The MTP head's file (config.model, else the head shipped for `served_model`, a model name or
+    path) and the sha256 it must have (None: unchecked); ValueError when there is none."""
+    if config.model:
+        return config.model, None
+    shipped = shipped_mtp_head(served_model)
+    if shipped is None:
+        raise ValueError(f"speculative config: method 'mtp' needs 'model' (the MTP weights): no head ships "
+                         f"for {served_model!r}")
+    path, sha256 = shipped
+    return str(path), sha256
+
+
 def make_mtp_drafting(config: SpeculativeConfig, target: LlamaModel, proposer: Proposer | None,
-                      max_model_len: int) -> MTPDrafting | None:
+                      max_model_len: int, served_model: str) -> MTPDrafting | None:
     """The head's drafting for `proposer` (an MTPProposer, or a chain that starts with one), its
-    weights loaded from config.model; None when the config speculates otherwise."""
+    weights loaded from `head_file`; None when the config speculates otherwise."""
     if config.method != "mtp":
         return None
     mtp = proposer.first if isinstance(proposer, ChainProposer) else proposer
     assert isinstance(mtp, MTPProposer), "make_proposer gives an MTPProposer first for method 'mtp'"
-    head = MTPHead(target, load_head_weights(config.model, target.config))
+    path, sha256 = head_file(config, served_model)
+    head = MTPHead(target, load_head_weights(path, target.config, sha256))
     return MTPDrafting(head, config.num_model_steps, mtp, max_model_len)
