@@ -32,14 +32,21 @@ async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None,
                                     max_num_batched_tokens=16)
     engine.overlapped_steps = 0  # steps launched while the step before was still uncollected
     engine.verified_drafts = 0
-    launch = engine.runner.launch
+    uncollected: set[int] = set()  # launched steps not collected yet
+    launch, collect = engine.runner.launch, engine.runner.collect
 
     def counting_launch(inputs):
-        engine.overlapped_steps += engine._in_flight is not None  # launched before the step in flight was collected
+        engine.overlapped_steps += bool(uncollected)
         engine.verified_drafts += int(inputs.num_drafts.sum())
-        return launch(inputs)
+        launched = launch(inputs)
+        uncollected.add(id(launched.inputs))
+        return launched
 
-    engine.runner.launch = counting_launch
+    def counting_collect(launched, *args):
+        uncollected.discard(id(launched.inputs))
+        return collect(launched, *args)
+
+    engine.runner.launch, engine.runner.collect = counting_launch, counting_collect
     return engine
 
 

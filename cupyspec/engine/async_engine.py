@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 from jinja2 import TemplateError
@@ -18,6 +17,7 @@ from cupyspec.config import EngineConfig
 from cupyspec.engine.admission import check_request
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
 from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
+from cupyspec.engine.step_inputs import StepInputs
 from cupyspec.engine.warm_up import run_warm_up
 from cupyspec.engine.worker import InlineSteps, StepThread
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
@@ -35,7 +35,7 @@ from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.backoff.step_cost import StepShape
 from cupyspec.spec_decode.drafter import Drafter
 from cupyspec.spec_decode.proposers.factory import make_proposer
-from cupyspec.spec_decode.proposers.mtp import make_mtp_drafting
+from cupyspec.spec_decode.proposers.mtp import MTPProposer, make_mtp_drafting
 from cupyspec.spec_decode.speculative_config import RequestSpeculation
 from cupyspec.spec_decode.stats import SpecStats
 from cupyspec.text.detokenizer import IncrementalDetokenizer
@@ -57,19 +57,25 @@ class EngineStats:
     num_used_kv_blocks: int  # blocks held by requests (cached-but-free prefix blocks not counted)
 
 
-class _InFlight(NamedTuple):
-    """A launched step and the batch it was formed from."""
+@dataclass(eq=False)
+class PendingStep:
+    """A launched step, handed from one turn of the loop to the next until its outputs are delivered.
+
+    Overlapped (`held`): the next step is formed before the host has its tokens, which placeholders
+    hold the places of; it is in flight until collected. Otherwise its tokens go into its sequences
+    as soon as they are on the host (`_place`), the next step is formed from them, and they are
+    detokenized and delivered after that step's launch (`_deliver_placed`).
+    """
 
     sched: SchedulerOutput
     launched: LaunchedStep
+    held: bool
+    outputs: list[SeqStepOutput] | None = None  # once collected (a placed step's without its logprobs)
 
 
-class _Collected(NamedTuple):
-    """A step's outputs (a verified step's without their logprobs), and the batch it was formed from."""
-
-    sched: SchedulerOutput
-    launched: LaunchedStep
-    outputs: list[SeqStepOutput]
+def _in_flight(step: PendingStep | None) -> bool:
+    """A step whose tokens the host has not seen yet."""
+    return step is not None and step.outputs is None
 
 
 class AsyncEngine:
@@ -113,8 +119,6 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._closed = False
         self._loop_task: asyncio.Task | None = None
-        self._in_flight: _InFlight | None = None  # a launched step whose tokens the host has not seen yet
-        self._placed: _Collected | None = None  # a step whose tokens its sequences took, not yet delivered
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.model_name, backend.device, num_blocks, block_size, self.max_model_len)
 
@@ -228,73 +232,69 @@ class AsyncEngine:
     # ---------------------------------------------------------------- the loop
 
     async def _run_loop(self) -> None:
-        """Schedule, run, process; with overlap scheduling, step N+1 is formed and launched before the
-        host sees the tokens of step N, which the device feeds to it (runner.py). A step that drafts
-        first waits for the step in flight: the proposers read every token on the host. A step whose
-        tokens the host has waited for gives them to its sequences at once, and is detokenized and
-        delivered once the next step is launched (`_placed`)."""
+        """Each turn: schedule and launch a step, then finish the step before it (`pending`), whose
+        outputs are detokenized and delivered while the new one runs on the device. With overlap
+        scheduling a step that verifies no drafts is launched before the host has the pending step's
+        tokens, which the device feeds to it (runner.py); any other step waits for them first: the
+        proposers read every token on the host."""
         steps = InlineSteps() if self.backend.is_cuda else StepThread("cupyspec-step")
         mark = time.perf_counter()  # when the last step was launched (or the loop woke up)
+        pending: PendingStep | None = None  # launched, its outputs not yet delivered
         try:
             while True:
                 if self._aborts:
-                    self._deliver_placed()
+                    pending = self._deliver_placed(pending)
                 while self._aborts:
                     self.outputs.abort(self._aborts.pop())
                 overlap = self._can_overlap()
-                if self._in_flight is not None and not (overlap and self.scheduler.has_work):
-                    await self._finish_in_flight(steps)
-                    continue
+                if _in_flight(pending) and not (overlap and self.scheduler.has_work):
+                    await self._finish(steps, pending)
+                    pending = None
                 if not self.scheduler.has_work:
+                    pending = self._deliver_placed(pending)
                     if self._closed:
                         return
                     await self._idle()
                     mark = time.perf_counter()
                     continue
                 limits = self.drafter.plan(self.scheduler.running) if self.drafter is not None else {}
-                asking = sum(1 for k in limits.values() if k)
-                if asking and self._in_flight is not None:  # drafts need its tokens; the plan stands
-                    await self._finish_in_flight(steps)
+                drafts_on_device = self._drafts_on_device()
+                if any(limits.values()) and _in_flight(pending) and not drafts_on_device:  # the plan stands
+                    await self._finish(steps, pending)
+                    pending = None
                     overlap = self._can_overlap()  # requests may have come meanwhile
                 if self.drafter is not None:
                     self.drafter.propose(self.scheduler.running, limits)
                 sched = self.scheduler.schedule()
                 if sched.finished or not sched.scheduled:
-                    self._deliver_placed()
+                    pending = self._deliver_placed(pending)
                 self.outputs.finish_ended_by_scheduler(sched.finished)
-                if not sched.scheduled:
-                    if self._in_flight is None:
+                if not sched.scheduled:  # every running sequence waits for its last token
+                    if pending is None:
                         await asyncio.sleep(0)
-                    else:  # every running sequence waits for its last token
-                        await self._finish_in_flight(steps)
+                    else:
+                        await self._finish(steps, pending)
+                        pending = None
                     continue
                 inputs = self.runner.prepare(sched)
                 drafting = int(np.count_nonzero(inputs.num_drafts))  # sequences whose drafts the step verifies
-                overlapped = overlap and not drafting
-                previous = self._in_flight
+                held = overlap and (not drafting or drafts_on_device)
+                refilled = held and not _in_flight(pending)  # no step ran before it on the device
                 launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
                 self.scheduler.on_launched(sched)
-                if overlapped:
-                    self.outputs.hold_places(sched, inputs.owners)
-                self._deliver_placed()  # meanwhile, the outputs of the step before
+                if held:
+                    self._hold_places(sched, inputs)
+                pending = self._deliver_placed(pending)  # meanwhile, the outputs of the step before
                 if self.drafter is not None:
                     self.drafter.learn_step_costs()  # ... and the step costs observed
-                launched = await launching
-                refilled, kept = False, 0
-                if overlapped:
-                    refilled = previous is None
-                    if previous is not None:
-                        self._process_held(previous, await self._collect(steps, previous.launched))
-                    self._in_flight = _InFlight(sched, launched)
-                else:
-                    step_outputs = await self._collect(steps, launched, logprobs=False)
-                    if self.outputs.place_tokens(sched, step_outputs):
-                        self._placed = _Collected(sched, launched, step_outputs)  # delivered after the next launch
-                    else:
-                        self.outputs.process_step(sched, self.runner.add_logprobs(launched, step_outputs))
-                    self.scheduler.update_after_step(sched, [max(0, len(out.token_ids) - 1) for out in step_outputs])
+                step = PendingStep(sched, await launching, held)
+                if pending is not None:
+                    await self._finish(steps, pending)
+                pending, kept = step, 0
+                if not held:  # the next step is formed from its tokens
+                    pending = await self._place(steps, step)
                     if drafting:
-                        kept = sum(map(sum, (out.accepted for out in step_outputs)))
+                        kept = sum(map(sum, (out.accepted for out in step.outputs)))
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
@@ -309,22 +309,34 @@ class AsyncEngine:
         finally:
             steps.close()
 
-    async def _finish_in_flight(self, steps: InlineSteps | StepThread) -> None:
-        """Wait for the step in flight, then process its tokens."""
-        in_flight, self._in_flight = self._in_flight, None
-        self._process_held(in_flight, await self._collect(steps, in_flight.launched))
+    async def _place(self, steps: InlineSteps | StepThread, step: PendingStep) -> PendingStep | None:
+        """Collect a step that was not overlapped and put its tokens in its sequences ahead of their
+        delivery (the step stays pending); or, when a stop may end a sequence in it, process it whole
+        now (the next step would carry that sequence for nothing). Then the scheduler's books."""
+        step.outputs = await self._collect(steps, step.launched, logprobs=False)
+        placed = self.outputs.place_tokens(step.sched, step.outputs)
+        if not placed:
+            self.outputs.process_step(step.sched, self.runner.add_logprobs(step.launched, step.outputs))
+        self.scheduler.update_after_step(step.sched, [max(0, len(out.token_ids) - 1) for out in step.outputs])
+        return step if placed else None
 
-    def _process_held(self, in_flight: _InFlight, outputs: list[SeqStepOutput]) -> None:
-        """An overlapped step's tokens into the places held for them; then the scheduler's books."""
-        self.outputs.process_step(in_flight.sched, outputs, placed=True)
-        self.scheduler.update_after_step(in_flight.sched)
+    def _deliver_placed(self, step: PendingStep | None) -> PendingStep | None:
+        """Detokenize, stop and deliver a placed step's outputs, with their logprobs; a step in flight
+        stays pending."""
+        if step is None or step.outputs is None:
+            return step
+        self.outputs.process_step(step.sched, self.runner.add_logprobs(step.launched, step.outputs), placed=True)
+        return None
 
-    def _deliver_placed(self) -> None:
-        """Detokenize, stop and deliver the step whose tokens its sequences took before (`place_tokens`)."""
-        if self._placed is not None:
-            placed, self._placed = self._placed, None
-            outputs = self.runner.add_logprobs(placed.launched, placed.outputs)
-            self.outputs.process_step(placed.sched, outputs, placed=True)
+    async def _finish(self, steps: InlineSteps | StepThread, step: PendingStep) -> None:
+        """Deliver a pending step's outputs: an overlapped one's into the places held for them once
+        collected, then the scheduler's books; a placed one's as `_deliver_placed`."""
+        if step.outputs is None:
+            step.outputs = await self._collect(steps, step.launched)
+            self.outputs.process_step(step.sched, step.outputs, held=True)
+            self.scheduler.update_after_step(step.sched, [max(0, len(out.token_ids) - 1) for out in step.outputs])
+        else:
+            self._deliver_placed(step)
 
     async def _collect(self, steps: InlineSteps | StepThread, launched: LaunchedStep,
                        logprobs: bool = True) -> list[SeqStepOutput]:
@@ -342,6 +354,23 @@ class AsyncEngine:
         if not has_news():
             self._wake.clear()
             await self._wake.wait()
+
+    def _hold_places(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
+        """An overlapped step's places in its sequences, and its MTP drafts' in the proposer's."""
+        tokens, owners = self.runner.tokens, inputs.owners
+        self.outputs.hold_places(sched, owners, [tokens.emitted(s) for s in range(len(owners))],
+                                 inputs.num_drafts.tolist())
+        if self.runner.mtp is not None:
+            steps = self.runner.mtp.num_model_steps
+            self.runner.mtp.proposer.hold(inputs.seq_ids, [tokens.drafts(s, steps) for s in range(len(owners))],
+                                          inputs)
+
+    def _drafts_on_device(self) -> bool:
+        """Whether a step may verify drafts before the host has the step in flight's tokens: an MTP
+        head alone proposes (its drafts stay on the device), and every live request's verification
+        can read them there (greedy, no logprobs)."""
+        return (self.drafter is not None and isinstance(self.drafter.proposer, MTPProposer)
+                and not self.outputs.num_verified_on_host)
 
     def _can_overlap(self) -> bool:
         """Whether a draft-free step may be formed before the host has the tokens of the one in flight:

@@ -6,12 +6,14 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from cupyspec.engine.runner import SeqStepOutput
 from cupyspec.logprobs.logprob_json import LogprobsJSON
 from cupyspec.metrics import EngineMetrics
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob, merge_deltas
+from cupyspec.sampling.params import SamplingParams
 from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.stats import SpecStats
@@ -95,22 +97,27 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
         self.num_penalized = 0  # live requests with penalties, which read their output tokens on the host
+        self.num_verified_on_host = 0  # live requests whose verification reads their drafts on the host
 
     def add(self, request: RequestState) -> None:
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
         self.num_penalized += request.seqs[0].params.has_penalties
+        self.num_verified_on_host += _verified_on_host(request.seqs[0].params)
         self.metrics.on_request_arrived()
 
     @staticmethod
-    def hold_places(sched: SchedulerOutput, owners: tuple[int, ...]) -> None:
-        """Append to each sampling sequence of a launched plain step the placeholder ~s of its token,
-        which is still on the device: s indexes the step's sampling sequences, whose scheduled indices
-        are `owners` (StepInputs.owners, the order of the runner's `sampled_tokens`).
-        process_step(placed=True) puts the token there."""
+    def hold_places(sched: SchedulerOutput, owners: tuple[int, ...], placeholders: Sequence_[int],
+                    num_drafts: Sequence_[int]) -> None:
+        """Append to each sampling sequence s of a launched step, scheduled at owners[s], the
+        placeholder id of the token the step emits for it, which is still on the device
+        (cupyspec/engine/device_tokens.py); num_drafts[s]: the drafts the step verifies for it, which
+        may come before that token. process_step(held=True) puts the tokens there."""
         for s, i in enumerate(owners):
-            sched.scheduled[i].seq.output_token_ids.append(~s)
+            seq = sched.scheduled[i].seq
+            seq.output_token_ids.append(placeholders[s])
+            seq.num_held_drafts += num_drafts[s]
 
     def place_tokens(self, sched: SchedulerOutput, outputs: list[SeqStepOutput]) -> bool:
         """Append each sequence's emitted tokens ahead of process_step(placed=True), which detokenizes
@@ -150,13 +157,14 @@ class OutputProcessor:
         for request in self.requests.values():
             request.channel.put(error)
         self.requests.clear()
-        self.num_penalized = 0
+        self.num_penalized = self.num_verified_on_host = 0
 
-    def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput], placed: bool = False) -> None:
+    def process_step(self, sched: SchedulerOutput, outputs: list[SeqStepOutput], placed: bool = False,
+                     held: bool = False) -> None:
         """Append the emitted tokens, stop where a stop condition says, and deliver what is due.
 
-        placed: the step's tokens, or the placeholders `hold_places` appended for them, are in the
-        sequences' outputs already (`place_tokens`); a stop cuts them there.
+        placed: the step's tokens are in the sequences' outputs already (`place_tokens`); held: each
+        sequence's first placeholder (`hold_places`) stands for them. A stop cuts them there.
         """
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -171,8 +179,14 @@ class OutputProcessor:
             for position, lp in out.prompt_logprobs:
                 request.prompt_logprobs[position] = lp
             if out.token_ids:
+                place = None  # where the step's tokens go: (index, entries they replace); None: appended
+                if held:
+                    place = seq.first_held_place, 1
+                    seq.num_held_drafts -= out.num_drafts
+                elif placed:
+                    place = item.num_tokens_before - seq.num_prompt_tokens, len(out.token_ids)
                 num_generated += self._append(request, seq, out, item.num_computed_before >= seq.num_prompt_tokens, now,
-                                              item.num_tokens_before - seq.num_prompt_tokens if placed else None)
+                                              place)
                 touched[seq.request_id] = request
         self.metrics.on_generation_tokens(num_generated)
         for request in touched.values():
@@ -180,15 +194,17 @@ class OutputProcessor:
                 self._emit(request)
 
     def _append(self, request: RequestState, seq: Sequence, out: SeqStepOutput, is_decode: bool, now: float,
-                place: int | None) -> int:
+                place: tuple[int, int] | None) -> int:
         """Add a step's tokens to a choice, up to a stop; the number kept. place: the index in its
-        output tokens where the step's tokens (or their placeholders) were put, or None to append."""
+        output tokens where the step's tokens (or their placeholder) were put and how many entries
+        they take there, or None to append."""
         delta = request.detokenizers[seq.choice_index].add(out.token_ids)
         kept = out.token_ids[:delta.num_tokens_accepted]  # a stop inside an accepted run cuts it
         if place is None:
             seq.output_token_ids.extend(kept)
         else:
-            seq.output_token_ids[place:place + len(out.token_ids)] = kept
+            index, entries = place
+            seq.output_token_ids[index:index + entries] = kept
             seq.num_placed_tokens = 0
         if is_decode and request.speculative:
             seq.spec.record(out.accepted, len(kept))
@@ -216,6 +232,7 @@ class OutputProcessor:
         seq.stop_reason = stop_reason
         while seq.awaits_token:  # places held for tokens it will not get
             seq.output_token_ids.pop()
+        seq.num_held_drafts = 0
         request.pending.append(CompletionDelta(seq.choice_index, text, tokens, logprobs, reason, stop_reason,
                                                draft_logprobs, logprobs_json))
         request.choice_ended = True
@@ -243,6 +260,7 @@ class OutputProcessor:
             request.finished = True
             del self.requests[request.request_id]
             self.num_penalized -= request.seqs[0].params.has_penalties
+            self.num_verified_on_host -= _verified_on_host(request.seqs[0].params)
             self._account_finished(request, spec)
 
     def _account_finished(self, request: RequestState, spec: SpeculateMetrics | None) -> None:
@@ -256,3 +274,9 @@ class OutputProcessor:
             self.metrics.on_request_finished(seq.finish_reason or "abort")
         if spec is not None:
             self.metrics.on_speculation(spec)
+
+
+def _verified_on_host(params: SamplingParams) -> bool:
+    """Whether verifying a request's drafts reads them on the host: it samples at random (the draft
+    tests), or asks for logprobs (their layout); only greedy rows verify drafts still on the device."""
+    return not params.greedy or params.logprobs is not None or params.include_draft_logprobs

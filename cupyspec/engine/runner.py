@@ -7,21 +7,23 @@ through the speculative path).
 
 A step is launched, then collected. Launching queues the step's device work and the copies of its
 results to the host, and returns at once (on a GPU); `LaunchedStep.ready` tells when collecting
-would not wait. A plain step's sampled tokens also stay on the device, in `sampled_tokens`, where
-the next step's placeholder input ids (~s for the step's sampling sequence s) find them. So the
-engine can form and launch step N+1 before it has seen the tokens of step N (overlap scheduling).
+would not wait. A step's emitted tokens (and an MTP head's drafts) also stay on the device, in
+`tokens` (device_tokens.py), where the next step's placeholder input ids find them. So the engine
+can form and launch step N+1 before it has seen the tokens of step N (overlap scheduling).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import replace
 from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupyspec.backend import Backend
+from cupyspec.engine.device_tokens import DeviceTokens
 from cupyspec.engine.step_inputs import StepInputs, prepare_inputs
 from cupyspec.logprobs.graphs import LogprobGraphs
 from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
@@ -30,6 +32,7 @@ from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.cuda_graphs import CudaGraphs
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
+from cupyspec.model.positions import shift_positions
 from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.sampler import SamplerOutput, max_logprobs, sample_tokens_on_device
 from cupyspec.scheduling.scheduler import SchedulerOutput
@@ -91,9 +94,9 @@ class ModelRunner:
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
         # the CUDA stream that computes a speculative step's logprobs beside verification
         self.logprob_stream = LogprobStream(cuda) if cuda and overlap_logprobs else None
-        self.sampled_tokens = xp.zeros(max_num_seqs, dtype=np.int32)  # [S] the last plain step's tokens
-        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.sampled_tokens,
-                                  mtp.catch_up if mtp is not None else None)
+        self.tokens = DeviceTokens(xp, max_num_seqs, mtp.num_model_steps if mtp is not None else 0)
+        self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.tokens.slots,
+                                  mtp.catch_up if mtp is not None else None, self.tokens.accepted)
                        if cuda and cuda_graph_max_tokens else None)
         self.draft_graphs = (DraftGraphs(mtp, self.graphs, max_num_seqs)
                              if mtp is not None and self.graphs is not None else None)
@@ -112,7 +115,7 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The inputs of the step `sched` forms (step_inputs.py)."""
-        return prepare_inputs(sched, self.kv.block_size, for_mtp=self.mtp is not None)
+        return prepare_inputs(sched, self.kv.block_size, self.tokens if self.mtp is not None else None)
 
     def launch(self, inputs: StepInputs) -> LaunchedStep:
         """Queue the forward pass, sampling or verification, logprobs, the MTP head's drafting and the
@@ -123,13 +126,14 @@ class ModelRunner:
             if self.mtp is None or not inputs.owners:
                 return step
             drafted = self._draft(inputs, forward, step)
+            self.tokens.put_drafts(drafted.tokens)
             return step._replace(mtp_drafts=HostTransfer(self.backend.xp, [drafted.tokens, drafted.logprobs]),
                                  mtp_probs=drafted.probs)
 
     def _draft(self, inputs: StepInputs, forward: _Forward, step: LaunchedStep) -> Drafted:
         """The MTP head's drafts from each sampling sequence's last accepted row, queued after
         sampling or verification."""
-        accepted, tokens = None, self.sampled_tokens[:len(inputs.owners)]  # [S]
+        accepted, tokens = None, self.tokens.by_seq[:len(inputs.owners), 0]  # [S]
         if step.verdict is not None:
             accepted, tokens = step.verdict.runs_on_device  # [S] each: accepted drafts, emitted token
         if forward.static:
@@ -150,16 +154,19 @@ class ModelRunner:
             if self.speculative.verify_strategy == "rejection":
                 probs = draft_distributions(xp, inputs.drafts, inputs.num_drafts, inputs.draft_probs,
                                             target_logits.shape[1])
+            on_device = self._drafts_on_device(inputs)  # [S, K] of drafts the host does not have yet
             verdict = launch_verify(
                 xp, target_logits,
                 VerifyInput(inputs.drafts, inputs.num_drafts, probs, inputs.sampling, inputs.accept_uniforms,
-                            inputs.draft_logprobs),
+                            inputs.draft_logprobs, on_device),
                 inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
                 self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs,
                 inputs.first_rows if static else None)
+            if self.mtp is not None:  # the next step may read the emitted tokens and accepted counts
+                self.tokens.put_verdict(verdict.runs_on_device)
         elif target_logits is not None:
             tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
-            self.sampled_tokens[:len(inputs.owners)] = tokens
+            self.tokens.put_sampled(tokens)
             k = max_logprobs(inputs.sampling)
             replayed = self._replay_logprobs(tokens, k, inputs) if static and prompt_logits is None else None
             if replayed is not None:
@@ -174,6 +181,15 @@ class ModelRunner:
             k_max = max(k for _, _, k in inputs.prompt_owner)
             arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
         return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
+
+    def _drafts_on_device(self, inputs: StepInputs) -> Any | None:
+        """The step's drafts [S, K] int64 on the device, where some are placeholders for drafts an MTP
+        head made in the step before, still on the device; None when the host has them all."""
+        if not inputs.drafts_on_device:
+            return None
+        xp = self.backend.xp
+        ids = to_device(xp, inputs.drafts)  # [S, K]
+        return xp.where(ids >= 0, ids, self.tokens.slots[xp.maximum(~ids, 0)]).astype(np.int64)
 
     def _replay_logprobs(self, tokens: Any, k: int | None, inputs: StepInputs) -> HostTransfer | None:
         """A plain step's logprobs of its sampled tokens [R] (top k) by a CUDA graph over the static
@@ -206,7 +222,7 @@ class ModelRunner:
             probs = None
             if step.mtp_probs is not None:
                 probs = {int(s): step.mtp_probs[i] for i, s in enumerate(inputs.draft_sampling.rows)}
-            self.mtp.proposer.remember(inputs.seq_ids, *step.mtp_drafts.result(), probs)
+            self.mtp.proposer.remember(inputs.seq_ids, *step.mtp_drafts.result(), probs, inputs)
         return outputs
 
     @staticmethod
@@ -234,11 +250,15 @@ class ModelRunner:
         device batch kept for an MTP head's drafting. An MTP head's catch-up runs either way.
         """
         xp = self.backend.xp
-        every_row = (self.graphs.run(inputs.batch, inputs.next_token_ids)
+        every_row = (self.graphs.run(inputs.batch, inputs.next_token_ids, inputs.shift_from)
                      if self.graphs is not None else None)  # [T, V] or None
         residual = batch = None
         if every_row is None:
-            batch = DeviceBatch.of(xp, inputs.batch, self.sampled_tokens)
+            batch = DeviceBatch.of(xp, inputs.batch, self.tokens.slots)
+            if inputs.shift_from is not None:  # (copies: on the CPU the batch's arrays are the host's)
+                batch = replace(batch, positions=xp.array(batch.positions), slot_mapping=xp.array(batch.slot_mapping))
+                shift_positions(xp, batch.positions, batch.slot_mapping, batch.batch_id_per_token, batch.block_tables,
+                                to_device(xp, inputs.shift_from), self.tokens.accepted, self.kv.block_size)
             residual = self.model.forward_residual(batch, self.kv)  # [T, H] fp32
             if self.mtp is not None:
                 self.mtp.catch_up(residual, batch, to_device(xp, inputs.next_token_ids), self.kv)
@@ -275,7 +295,8 @@ def _scattered(values: tuple, owners: tuple[int, ...], count: int) -> list:
 def _verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqStepOutput]:
     """Each sampling sequence's tokens (and logprobs, when asked) from a speculative step's verdict:
     its accepted drafts, then the bonus or correction token."""
-    drafts, num_drafts = inputs.drafts.tolist(), inputs.num_drafts.tolist()  # whole arrays at once
+    drafts = (step.drafts if step.drafts is not None else inputs.drafts).tolist()  # whole arrays at once
+    num_drafts = inputs.num_drafts.tolist()
     logprobs = step.logprobs
     outputs = {}
     for s, (n, emitted) in enumerate(zip(step.num_accepted, step.emitted)):

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from cupyspec.engine.device_tokens import DeviceTokens
 from cupyspec.model.batch import FlatBatch, flat_batch
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
@@ -40,6 +41,10 @@ class StepInputs(NamedTuple):
     seq_ids: tuple[int, ...] = ()  # [S]: each sampling sequence's seq_id, for an MTP head
     next_token_ids: np.ndarray | None = None  # [T] int32: the token after each row, for an MTP head
     draft_sampling: DraftSampling | None = None  # the sampling sequences that draw an MTP head's drafts
+    # [T] int32: for the rows of a sequence whose step in flight verifies drafts, its index there (its
+    # accepted drafts move the rows' positions on: device_tokens.py); -1 elsewhere; None: no such row
+    shift_from: np.ndarray | None = None
+    drafts_on_device: bool = False  # some drafts are placeholders for an MTP head's, still on the device
 
 
 def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
@@ -145,14 +150,18 @@ def _draft_sampling(targets: _TargetRows) -> DraftSampling | None:
                          np.array([targets.keys[s] for s in rows], dtype=np.uint64))
 
 
-def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = False) -> StepInputs:
+def prepare_inputs(sched: SchedulerOutput, block_size: int,
+                   device_tokens: DeviceTokens | None = None) -> StepInputs:
     """The flat batch of the scheduled segments (each a prefill chunk, one token, or [last token,
     d1..dk]), the rows that pick or verify tokens with their sampling rows and random draws, and the
-    rows that score prompt tokens for prompt logprobs; for_mtp: also what an MTP head reads, the
-    sampling sequences' ids and the token after each row where the host knows it (a segment's next
-    one; 0 after a sampling segment's last row)."""
+    rows that score prompt tokens for prompt logprobs. With an MTP head (device_tokens: where the step
+    before left its tokens and drafts) also what the head reads, the sampling sequences' ids and the
+    token after each row where the host knows it (a segment's next one; 0 after a sampling segment's
+    last row), and the rows whose positions move on by the drafts a step in flight accepts."""
+    for_mtp = device_tokens is not None
     token_ids: list[int] = []
     next_token_ids: list[int] = []
+    shifted: list[tuple[int, int, int]] = []  # (first row, rows, sequence index in the step in flight)
     lengths, starts, block_ids = [], [], []
     targets, prompt = _TargetRows(), _PromptRows()
     row = 0
@@ -164,6 +173,8 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = Fals
         if for_mtp:
             after = [0] if item.samples else seq.tokens(start + n, start + n + 1)
             next_token_ids += segment[1:] + after
+            if seq.num_held_drafts:  # the segment starts at the place its step in flight holds
+                shifted.append((row, n + len(drafts), device_tokens.sequence_of(segment[0])))
         lengths.append(n + len(drafts))
         starts.append(start)
         block_ids.append(seq.block_ids)
@@ -174,6 +185,11 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = Fals
         row += n + len(drafts)
     accept_uniforms = targets.draw_uniforms()
     drafts = _drafts_array(targets.drafts)
+    shift_from = None
+    if shifted:
+        shift_from = np.full(len(token_ids), -1, dtype=np.int32)
+        for first, rows, s in shifted:
+            shift_from[first:first + rows] = s
     return StepInputs(
         batch=flat_batch(token_ids, lengths, starts, block_ids, block_size),
         target_rows=np.array(targets.rows, dtype=np.int64),
@@ -194,4 +210,6 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, for_mtp: bool = Fals
         seq_ids=tuple(sched.scheduled[i].seq.seq_id for i in targets.owners) if for_mtp else (),
         next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
         draft_sampling=_draft_sampling(targets) if for_mtp else None,
+        shift_from=shift_from,
+        drafts_on_device=bool((drafts < PLACEHOLDER_TOKEN_ID).any()),
     )

@@ -15,11 +15,12 @@ the attention kernel's CTA size depend on the row count only through buckets tha
 boundaries respect (`linear.GEMV_MAX_ROWS` and `attention.FEW_ROWS` are buckets), so a graphed step
 returns the logits the eager step returns, bit for bit.
 
-With an MTP head, each graph also runs the head's catch-up over the step's rows (its K/V, from the
-staged token after each row) and keeps the target's pre-norm hidden states of every row in a static
-buffer, which the head's drafting graphs read (cupyspec/spec_decode/proposers/mtp_graphs.py). The
-staged token fields have one column past the largest bucket, always padding: the row a drafting
-graph's padding entries read.
+With an MTP head, each graph first moves on the positions of the rows whose sequences' last verdict
+was still on the device when the step was formed (cupyspec/model/positions.py), then also runs the
+head's catch-up over the step's rows (its K/V, from the staged token after each row) and keeps the
+target's pre-norm hidden states of every row in a static buffer, which the head's drafting graphs
+read (cupyspec/spec_decode/proposers/mtp_graphs.py). The staged token fields have one column past
+the largest bucket, always padding: the row a drafting graph's padding entries read.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from cupyspec.model.batch import DeviceBatch, FlatBatch
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.model.llama import LlamaModel
+from cupyspec.model.positions import shift_positions
 
 log = logging.getLogger("cupyspec")
 
@@ -43,7 +45,7 @@ log = logging.getLogger("cupyspec")
 BUCKETS = (1, 2, 4, 8, *range(16, KERNEL_MAX_ROWS + 1, 16))
 
 TOKEN_FIELDS = 4  # rows of the staged token arrays: input ids, positions, batch ids, KV slots
-NEXT_IDS = 4  # the staged row of the token after each row, with an MTP head
+NEXT_IDS, SHIFT_FROM = 4, 5  # with an MTP head: the token after each row, and where its position's shift is
 
 CatchUp = Callable[[Any, DeviceBatch, Any, KVCacheArrays], None]  # MTPDrafting.catch_up
 
@@ -52,21 +54,22 @@ class CudaGraphs:
     """The captured graphs of `model` over `kv`, and the static buffers they read and write."""
 
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, stream: Any, max_tokens: int, max_model_len: int,
-                 previous_tokens: Any, catch_up: CatchUp | None = None) -> None:
-        """previous_tokens [S] int32: the device buffer where placeholder input ids ~s find their tokens.
-        catch_up: an MTP head's catch-up, run over every step's rows."""
+                 previous_tokens: Any, catch_up: CatchUp | None = None, accepted: Any | None = None) -> None:
+        """previous_tokens [N] int32: the device buffer where placeholder input ids ~n find their tokens.
+        catch_up: an MTP head's catch-up, run over every step's rows; accepted [S] int32: the drafts
+        the step before accepted per sequence, by which rows move on (with an MTP head)."""
         import cupy
         import cupyx
 
         self.model, self.kv, self.stream, self.previous_tokens = model, kv, stream, previous_tokens
-        self.catch_up = catch_up
+        self.catch_up, self.accepted = catch_up, accepted
         self.buckets = tuple(b for b in BUCKETS if b <= max_tokens)
         if not self.buckets:
             raise ValueError(f"no CUDA graph bucket holds at most {max_tokens} rows")
         rows = self.buckets[-1]
         width = -(-max_model_len // kv.block_size)  # block-table columns: the longest sequence's blocks
         self.padding_row = rows  # the block-table row of padding tokens, and the always-padding token column
-        self.fields = TOKEN_FIELDS + (catch_up is not None)
+        self.fields = TOKEN_FIELDS + 2 * (catch_up is not None)
         # the inputs: the token fields [fields, rows + 1], then the block tables [rows + 1, width], flat
         self.tokens_size, self.width = self.fields * (rows + 1), width
         size = self.tokens_size + (rows + 1) * width
@@ -102,6 +105,9 @@ class CudaGraphs:
 
     def _forward(self, bucket: int) -> None:
         ids, positions, batch_ids, slots = (self.tokens[f, :bucket] for f in range(TOKEN_FIELDS))
+        if self.catch_up is not None:
+            shift_positions(self.model.backend.xp, positions, slots, batch_ids, self.tables,
+                            self.tokens[SHIFT_FROM, :bucket], self.accepted, self.kv.block_size)
         batch = DeviceBatch(ids, positions, batch_ids, slots, self.tables, self.previous_tokens)
         residual = self.model.forward_residual(batch, self.kv)  # [bucket, H] fp32
         if self.catch_up is not None:
@@ -120,11 +126,15 @@ class CudaGraphs:
         staged[:, start:stop] = 0
         staged[2, start:stop] = self.padding_row
         staged[3, start:stop] = self.kv.scratch_block * self.kv.block_size
+        if self.catch_up is not None:
+            staged[SHIFT_FROM, start:stop] = -1
 
-    def run(self, batch: FlatBatch, next_ids: np.ndarray | None = None) -> Any | None:
+    def run(self, batch: FlatBatch, next_ids: np.ndarray | None = None,
+            shift_from: np.ndarray | None = None) -> Any | None:
         """Logits [T, V] f32 of every row of `batch` (a view of the static buffer, valid until the
-        next run), or None when the batch has more rows than the largest graph. next_ids [T] int32:
-        the token after each row, for an MTP head's catch-up."""
+        next run), or None when the batch has more rows than the largest graph. With an MTP head:
+        next_ids [T] int32 the token after each row, for its catch-up, and shift_from [T] int32 the
+        sequence whose accepted drafts each row's position moves on by (-1 or None: none)."""
         num_tokens, num_seqs = batch.num_tokens, batch.num_seqs
         index = bisect.bisect_left(self.buckets, num_tokens)
         if index == len(self.buckets) or batch.block_tables.shape[1] > self.tables.shape[1]:
@@ -138,6 +148,7 @@ class CudaGraphs:
         staged[3, :num_tokens] = batch.slot_mapping
         if self.catch_up is not None:
             staged[NEXT_IDS, :num_tokens] = next_ids
+            staged[SHIFT_FROM, :num_tokens] = -1 if shift_from is None else shift_from
         if num_tokens < bucket:
             self._pad(staged, num_tokens, bucket)
         tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables

@@ -130,7 +130,8 @@ class BlockManager:
         if seq.num_computed_tokens > seq.num_tokens:
             raise ValueError("num_computed_tokens exceeds the sequence's tokens")
         state = self._seqs[seq.seq_id]
-        num_full = min(seq.num_computed_tokens, seq.num_tokens - self.key_tokens + self.block_size) // self.block_size
+        known = seq.num_known_tokens  # (a step in flight holds places for tokens the host has not seen)
+        num_full = min(seq.num_computed_tokens, known - self.key_tokens + self.block_size) // self.block_size
         if len(state.hashes) >= num_full:
             return
         parent = state.hashes[-1] if state.hashes else b""

@@ -122,8 +122,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_tokens >= seq.max_total_tokens:  # its last token is still on the device
-                i += 1
+            if seq.num_tokens + seq.num_held_drafts >= min(seq.max_total_tokens, self.max_model_len):
+                i += 1  # its last tokens are still on the device, and may be its last ones
                 continue
             item = self._try_schedule(seq, budget)
             while item is None:
@@ -149,6 +149,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if seq.awaits_token:  # preempted with a step in flight: its tokens are not all known yet
+                break
             self.block_manager.allocate_for_prefill(seq)
             item = self._try_schedule(seq, budget)
             if item is None:  # short of blocks: the head waits, nobody overtakes it
@@ -184,7 +186,7 @@ class Scheduler:
                 continue
             if num_accepted_drafts:
                 seq.num_computed_tokens += num_accepted_drafts[i]
-            if item.num_lookahead_tokens:
+            if item.num_lookahead_tokens and not seq.awaits_token:  # (else a step in flight writes past it)
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
             self.block_manager.commit(seq)
 
@@ -206,11 +208,12 @@ class Scheduler:
             raise RuntimeError(f"sequence {seq.seq_id} has no token to compute")
         num_new = min(num_uncomputed, budget)
         lookahead = head_slots = 0
+        held = seq.num_held_drafts  # drafts a step in flight may still accept: this segment's positions move on
         if num_new == num_uncomputed:
-            room = min(budget - num_new, self.max_model_len - num_tokens)
+            room = min(budget - num_new, self.max_model_len - num_tokens - held)
             lookahead = max(0, min(self.num_lookahead_tokens(seq), room))
-            head_slots = max(0, min(self.head_lookahead, self.max_model_len - num_tokens - lookahead))
-        if not self.block_manager.ensure_slots(seq, num_new + lookahead + head_slots):
+            head_slots = max(0, min(self.head_lookahead, self.max_model_len - num_tokens - held - lookahead))
+        if not self.block_manager.ensure_slots(seq, num_new + held + lookahead + head_slots):
             return None
         return ScheduledSeq(seq, num_new, seq.num_computed_tokens, num_tokens, lookahead)
 

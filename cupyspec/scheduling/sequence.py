@@ -43,6 +43,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
     proposal: Drafts | None = None  # their distributions and draft-model logprobs, when a draft model made them
     num_placed_tokens: int = 0  # its last output tokens, taken ahead of their delivery (OutputProcessor.place_tokens)
+    num_held_drafts: int = 0  # drafts verified by its steps in flight: positions past its held places may move on
     spec: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -80,6 +81,21 @@ class Sequence:
     def awaits_token(self) -> bool:
         """Its last token is a placeholder: sampled by a step whose results the host has not seen."""
         return bool(self.output_token_ids) and self.output_token_ids[-1] < 0
+
+    @property
+    def first_held_place(self) -> int:
+        """The index in output_token_ids of its first placeholder (of the oldest step in flight), or
+        their length: placeholders are its last tokens, and steps come back in order."""
+        out = self.output_token_ids
+        place = len(out)
+        while place and out[place - 1] < 0:
+            place -= 1
+        return place
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its tokens before the first held place."""
+        return self.num_prompt_tokens + self.first_held_place
 
     @property
     def needs_prompt_logprobs(self) -> bool:

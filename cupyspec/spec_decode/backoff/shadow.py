@@ -42,7 +42,7 @@ class ShadowProbes:
             steps = seq.spec.num_steps
             if steps - self._probed_at.get(seq.seq_id, 0) < PROBE_INTERVAL:
                 continue
-            known = seq.num_tokens - seq.awaits_token  # the last token may still be on the device
+            known = seq.num_known_tokens  # the last tokens may still be on the device
             if not self._score(seq, known):
                 continue
             limit = min(seq.max_drafts, seq.max_total_tokens - known - 1)

@@ -133,17 +133,31 @@ class MTPProposer(Proposer):
 
     def __init__(self) -> None:
         # seq_id -> its last step's drafts [num_model_steps] int32, their head logprobs f32 and q (or None)
-        self._drafts: dict[int, tuple[np.ndarray, np.ndarray, Any | None]] = {}
+        self._drafts: dict[int, tuple[np.ndarray, np.ndarray | None, Any | None]] = {}
+        self._held_by: dict[int, object] = {}  # seq_id -> the step in flight whose drafts it proposes
+
+    def hold(self, seq_ids: Sequence[int], placeholders: Sequence[Sequence[int]], step: object) -> None:
+        """At the launch of an overlapped step (`step`, any object unique to it): its sampling
+        sequences seq_ids [S] propose the drafts the head makes in it, by their placeholder ids
+        [S][num_model_steps] (cupyspec/engine/device_tokens.py), until the step is collected."""
+        for seq_id, ids in zip(seq_ids, placeholders):
+            self._drafts[seq_id] = (np.array(ids, dtype=np.int32), None, None)
+            self._held_by[seq_id] = step
 
     def remember(self, seq_ids: Sequence[int], drafts: np.ndarray, logprobs: np.ndarray,
-                 probs: dict[int, Any] | None = None) -> None:
+                 probs: dict[int, Any] | None = None, step: object = None) -> None:
         """drafts [S, num_model_steps] int32 and the head's logprob of each [S, num_model_steps] f32
-        (host) of the sampling sequences seq_ids [S] of a step; probs: s -> q [num_model_steps, V]
-        (device) of the sequences that drew their drafts. Kept as rows: most are never proposed."""
-        self._drafts.update(zip(seq_ids, zip(drafts, logprobs, [None] * len(seq_ids))))
-        for s, q in (probs or {}).items():
-            tokens, lps, _ = self._drafts[seq_ids[s]]
-            self._drafts[seq_ids[s]] = tokens, lps, q
+        (host) of the sampling sequences seq_ids [S] of a collected step; probs: s -> q
+        [num_model_steps, V] (device) of the sequences that drew their drafts. A sequence that a
+        later step in flight holds keeps proposing that step's drafts. Kept as rows: most are never
+        proposed."""
+        probs = probs or {}
+        for s, (seq_id, tokens, lps) in enumerate(zip(seq_ids, drafts, logprobs)):
+            holder = self._held_by.get(seq_id)
+            if holder is not None and holder is not step:
+                continue
+            self._held_by.pop(seq_id, None)
+            self._drafts[seq_id] = tokens, lps, probs.get(s)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         proposals = []
@@ -155,6 +169,7 @@ class MTPProposer(Proposer):
 
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         self._drafts.pop(seq_id, None)
+        self._held_by.pop(seq_id, None)
 
 
 def head_file(config: SpeculativeConfig, served_model: str) -> tuple[str, str | None]:

@@ -44,13 +44,13 @@ def accept_runs(xp: Any, passed: Any, emit_at: Any, first_row: Any) -> Any:
     return out
 
 
-def greedy_runs(xp: Any, logits: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> Any:
+def greedy_runs(xp: Any, logits: Any, drafts: Any, num_drafts: np.ndarray) -> Any:
     """accept_runs for rows that all pick greedily: a draft passes when it is its row's argmax, and a
     request emits the argmax of the row where it stops.
 
     logits [R, V] f32 on xp's device, R = sum(num_drafts + 1); drafts [B, K] int64 (anything past
-    num_drafts[b]) and num_drafts [B] int64 on the host. On a GPU one kernel (cuda/accept_runs.cu)
-    takes every row's argmax and the runs, after one upload; these lines are its twin.
+    num_drafts[b]) on the host or the device, num_drafts [B] int64 on the host. On a GPU one kernel
+    (cuda/accept_runs.cu) takes every row's argmax and the runs; these lines are its twin.
     """
     batch, max_drafts = drafts.shape
     if xp is np:
@@ -64,8 +64,12 @@ def greedy_runs(xp: Any, logits: Any, drafts: np.ndarray, num_drafts: np.ndarray
     if batch:
         runtime = xp.cuda.runtime
         runtime.memsetAsync(out.data.ptr + 8 * (2 * batch + num_rows), 0, 8, xp.cuda.get_current_stream().ptr)
+        if isinstance(drafts, np.ndarray):  # one upload
+            drafts_then_counts = to_device(xp, np.concatenate([drafts.ravel(), num_drafts]))
+        else:
+            drafts_then_counts = xp.concatenate([drafts.ravel().astype(np.int64), to_device(xp, num_drafts)])
         load_kernel("accept_runs", "greedy_runs")(
             (num_rows,), (ARGMAX_THREADS,),
-            (xp.ascontiguousarray(logits, dtype=np.float32), np.int64(logits.shape[1]),
-             to_device(xp, np.concatenate([drafts.ravel(), num_drafts])), np.int32(batch), np.int32(max_drafts), out))
+            (xp.ascontiguousarray(logits, dtype=np.float32), np.int64(logits.shape[1]), drafts_then_counts,
+             np.int32(batch), np.int32(max_drafts), out))
     return out[:2 * batch].reshape(2, batch)

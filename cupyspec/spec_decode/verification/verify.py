@@ -51,6 +51,9 @@ class VerifyInput:
     rows: tuple[SamplingRow, ...]  # [R = sum(num_drafts + 1)]; each row's output ids include the drafts before it
     extra_uniforms: np.ndarray  # [R] float64 host: the draws of the acceptance tests (`rejection`)
     draft_logprobs: np.ndarray | None = None  # [B, K] f32 host: the draft model's logprob of each draft (NaN: none)
+    # [B, K] int64 on the device: the drafts, where draft_token_ids holds placeholders for drafts the
+    # host does not have yet (greedy rows only: the other strategies read the drafts on the host)
+    device_drafts: Any | None = None
 
     def __post_init__(self) -> None:
         drafts = np.asarray(self.draft_token_ids)
@@ -170,7 +173,7 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
         raise ValueError(f"target_logits must have shape [R={num_rows}, V], got {target_logits.shape}")
     vocab = target_logits.shape[1]
     drafts = inp.draft_token_ids[np.arange(k) < inp.num_drafts[:, None]]  # [D]
-    if drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
+    if inp.device_drafts is None and drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
         raise ValueError(f"draft_token_ids holds a draft outside the vocabulary [0, {vocab})")
     if inp.draft_probs is not None and tuple(inp.draft_probs.shape) != (batch, k, vocab):
         raise ValueError(f"draft_probs must have shape [B={batch}, K={k}, V={vocab}], got {inp.draft_probs.shape}")
@@ -180,8 +183,10 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
     logits = target_logits.astype(xp.float32, copy=False)
     if accept_policy == "normal" and drafts.size and not drawn_rows(inp.rows).size:
         # no row draws: under every strategy a draft passes iff it is its row's argmax
-        return DeviceVerdict(greedy_runs(xp, penalized_logits(xp, logits, inp.rows), inp.draft_token_ids,
-                                         inp.num_drafts))
+        drafts = inp.draft_token_ids if inp.device_drafts is None else inp.device_drafts
+        return DeviceVerdict(greedy_runs(xp, penalized_logits(xp, logits, inp.rows), drafts, inp.num_drafts))
+    if accept_policy == "normal" and inp.device_drafts is not None:
+        raise ValueError("drafts still on the device verify on greedy rows only")
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)])  # [B+1] bounds of each request's rows
     layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
     target = score_rows(xp, logits, inp.rows, layout)

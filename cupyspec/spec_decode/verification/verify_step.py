@@ -96,6 +96,7 @@ class StepVerdict:
     num_accepted: list[int]  # [B] drafts before the first rejection
     emitted: list[int]  # [B] the bonus or correction token after them
     logprobs: StepLogprobs
+    drafts: np.ndarray | None = None  # [B, K] the drafts, when they were on the device only
 
 
 class LogprobStream:
@@ -130,8 +131,10 @@ class PendingVerdict:
 
     def result(self, logprobs: bool = True) -> StepVerdict:
         """The verdict, and the logprobs unless `logprobs` is False (then None each, until `logprobs()`)."""
-        num_accepted, emitted = self._runs.result()[0].tolist()
-        return StepVerdict(num_accepted, emitted, self.logprobs() if logprobs else self._none)
+        host = self._runs.result()  # the runs, then the drafts when they were on the device only
+        num_accepted, emitted = host[0].tolist()
+        return StepVerdict(num_accepted, emitted, self.logprobs() if logprobs else self._none,
+                           host[1] if len(host) > 1 else None)
 
     def logprobs(self) -> StepLogprobs:
         """Each request's logprobs; waits for them."""
@@ -157,7 +160,10 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     """
     if not wanted.any:
         runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
-        return PendingVerdict(runs, HostTransfer(xp, [runs]))
+        drafts = [] if inp.device_drafts is None else [inp.device_drafts]
+        return PendingVerdict(runs, HostTransfer(xp, [runs, *drafts]))
+    if inp.device_drafts is not None:
+        raise ValueError("logprobs need the drafts on the host")
     wants = _wants(wanted)
     k = wanted.max_top_logprobs
     renderer = renderer if any(wants.rendered) else None
