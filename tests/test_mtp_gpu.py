@@ -85,15 +85,14 @@ def test_greedy_outputs_with_mtp_equal_those_without_up_to_near_ties(default_mod
 async def _proposals(model_path: str, head_path: str, cuda_graphs: bool) -> tuple[list, list]:
     """Each golden prompt's greedy tokens with MTP drafting on every step, and every proposal's drafts
     with the tokens the sequence held then."""
-    from test_mtp_engine import RecordingProposer
+    from test_mtp_engine import record_drafts
 
     speculative = SpeculativeConfig(method="mtp", model=head_path, num_model_steps=3, num_speculative_tokens=3,
                                     cost_aware_backoff=False, min_acceptance_rate=0.0)
     engine = await AsyncEngine.create(EngineConfig(model=model_path, device="cuda", cuda_graphs=cuda_graphs,
                                                    speculative=speculative,
                                                    cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_BYTES)))
-    recorder = RecordingProposer()
-    engine.drafter.proposer = engine.runner.mtp.proposer = recorder
+    records = record_drafts(engine)
     params = SamplingParams(temperature=0.0, max_tokens=48)
 
     async def answer(prompt: str) -> list[int]:
@@ -106,7 +105,7 @@ async def _proposals(model_path: str, head_path: str, cuda_graphs: bool) -> tupl
         answers = list(await asyncio.gather(*(answer(p) for p, _ in GOLDEN_PROMPTS)))
     finally:
         await engine.shutdown()
-    return answers, sorted(recorder.records)
+    return answers, sorted((length, drafts) for _, length, drafts in records)
 
 
 def test_graphed_mtp_steps_draft_and_emit_as_eager_ones(default_model_path, head_path):

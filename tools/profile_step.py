@@ -7,7 +7,9 @@ model and KV cache, and times the forward pass with the logits of every row, eag
 a CUDA graph, then greedy sampling, each with CUDA events (device time) and the host clock (the
 time Python needs to launch it). A phase whose host time exceeds its device time is launch-bound.
 Verify steps also time verification, with and without logprobs, to the host (wall time).
-With --kernels, each step of one decoder layer is timed on its own from a CUDA graph.
+With --kernels, each step of one decoder layer is timed on its own from a CUDA graph. With an MTP
+head (--speculative-config '{"method": "mtp", ...}'), the forward graphs include its catch-up, and
+its drafting graph is timed too (`mtp_draft_*`: num_model_steps head steps from each sequence).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, r
 from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from cupyspec.spec_decode.verification.verify import VerifyInput
 from cupyspec.spec_decode.verification.verify_step import LogprobRequests, launch_verify
 
@@ -126,6 +129,8 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
                         list(range(b * blocks_each, (b + 1) * blocks_each))) for b in range(batch)]
     flat = build_flat_batch(segments, kv.block_size)
     rows = xp.asarray(np.arange(flat.num_tokens))  # every row gets logits, as in a decode or verify step
+    next_ids = np.zeros(flat.num_tokens, np.int32)  # the token after each row, for an MTP head's catch-up
+    no_shift = np.full(flat.num_tokens, -1, np.int32)
     params = [SamplingRow(SamplingParams(temperature=0.0), 0.0)] * flat.num_tokens
     result: dict = {"batch": batch, "query_len": query_len, "context": context}
     with runner.stream:
@@ -134,9 +139,15 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
         result |= {"eager_host_ms": eager_host, "eager_device_ms": eager_dev}
         step_ms = max(eager_host, eager_dev)
         if runner.graphs is not None and runner.graphs.run(flat) is not None:
-            graph_host, graph_dev, logits = timed(xp, lambda: runner.graphs.run(flat), repeats)
+            graph_host, graph_dev, logits = timed(xp, lambda: runner.graphs.run(flat, next_ids, no_shift), repeats)
             result |= {"graph_host_ms": graph_host, "graph_device_ms": graph_dev}
             step_ms = max(graph_host, graph_dev)
+            if runner.draft_graphs is not None:
+                first_rows, tokens = np.arange(batch) * query_len, xp.zeros(batch, np.int32)
+                host, dev, _ = timed(xp, lambda: runner.draft_graphs.run(first_rows, None, tokens), repeats)
+                steps = runner.mtp.num_model_steps
+                result |= {"mtp_draft_host_ms": host, "mtp_draft_device_ms": dev,
+                           "mtp_draft_device_us_per_step": 1e3 * dev / steps}
         sample_host, sample_dev, _ = timed(xp, lambda: sample(xp, logits, params), repeats)
         if query_len > 1:
             result |= verify_ms(engine, logits, batch, query_len - 1, repeats)
@@ -149,7 +160,8 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
 
 async def main(args: argparse.Namespace) -> None:
     engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cuda",
-                                                   cache=CacheConfig(kv_cache_memory_bytes=args.kv_cache_memory)))
+                                                   cache=CacheConfig(kv_cache_memory_bytes=args.kv_cache_memory),
+                                                   speculative=SpeculativeConfig.from_json(args.speculative_config)))
     try:
         for query_len in args.query_len:
             for batch in args.batch_sizes:
@@ -167,4 +179,5 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--kernels", action="store_true", help="also time each kernel of one layer, from CUDA graphs")
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes")
+    p.add_argument("--speculative-config", default=None, help="JSON, as cupyspec-serve takes it (an MTP head: timed)")
     asyncio.run(main(p.parse_args()))
