@@ -125,7 +125,7 @@ def test_the_draft_sampler_on_the_gpu_matches_its_numpy_twin():
     rng = np.random.default_rng(11)
     rows, vocab = 24, 49152
     logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
-    params = tuple(SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
+    params = tuple(SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), min_p=float(m))
                    for t, p, k, m in zip(rng.uniform(0.3, 1.5, rows), rng.uniform(0.5, 1.0, rows),
                                          rng.choice([0, 5, 50], rows), rng.choice([0.0, 0.05], rows)))
     sampling = DraftSampling(np.arange(rows), params, rng.integers(0, 2**63, rows).astype(np.uint64))

@@ -382,3 +382,23 @@ def test_the_factory_builds_the_configured_proposer() -> None:
     assert isinstance(hybrid, ChainProposer) and isinstance(hybrid.first, MTPProposer)
     assert isinstance(hybrid.second, NgramProposer) and hybrid.first_count == 2
     assert NaiveProposer().propose([]) == [] and len(NO_DRAFTS) == 0
+
+
+def test_mtp_proposes_the_drafts_of_a_sequences_last_step_in_flight_or_collected() -> None:
+    """A context that ends with a placeholder (its step in flight) gets that step's drafts, still on the
+    device, as placeholder ids; a context of known tokens gets the drafts of the last collected step,
+    which made them after exactly those tokens (shadow probes score those)."""
+    mtp = MTPProposer()
+    known, in_flight = np.array([5, 6, 7], np.int32), np.array([5, 6, 7, -9], np.int32)
+    step_one, step_two = object(), object()
+    mtp.hold([3], [[-10, -11, -12]], step_one)
+    assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0].token_ids.tolist() == [-10, -11, -12]
+    assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])  # nothing collected yet
+    mtp.hold([3], [[-14, -15, -16]], step_two)  # launched before step one is collected
+    mtp.remember([3], np.array([[40, 41, 42]], np.int32), np.full((1, 3), -0.5, np.float32), None, step_one)
+    assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 2)])[0].token_ids.tolist() == [-14, -15]
+    drafts = mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0]
+    assert drafts.token_ids.tolist() == [40, 41, 42] and drafts.logprobs.tolist() == [-0.5] * 3
+    mtp.remember([3], np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32), None, step_two)
+    assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])  # nothing holds it any more
+    assert mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0].token_ids.tolist() == [50, 51, 52]

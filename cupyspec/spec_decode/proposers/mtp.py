@@ -127,49 +127,52 @@ def _draw(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, picks: 
 
 
 class MTPProposer(Proposer):
-    """Proposes, for each sequence, the drafts the head made for it at the end of its last step."""
+    """Proposes, for each sequence, the drafts the head made for it in its last step: the drafts of
+    its last collected step, or, while a step is in flight for it (its context ends with a
+    placeholder), the placeholder ids of the drafts that step makes on the device."""
 
     method = "mtp"
 
     def __init__(self) -> None:
-        # seq_id -> its last step's drafts [num_model_steps] int32, their head logprobs f32 and q (or None)
+        # seq_id -> its last collected step's drafts [num_model_steps] int32, their head logprobs f32 and q (or None)
         self._drafts: dict[int, tuple[np.ndarray, np.ndarray | None, Any | None]] = {}
-        self._held_by: dict[int, object] = {}  # seq_id -> the step in flight whose drafts it proposes
+        self._held: dict[int, tuple[object, np.ndarray]] = {}  # seq_id -> (its step in flight, placeholder ids)
 
     def hold(self, seq_ids: Sequence[int], placeholders: Sequence[Sequence[int]], step: object) -> None:
-        """At the launch of an overlapped step (`step`, any object unique to it): its sampling
-        sequences seq_ids [S] propose the drafts the head makes in it, by their placeholder ids
-        [S][num_model_steps] (cupyspec/engine/device_tokens.py), until the step is collected."""
+        """At the launch of an overlapped step (`step`, any object unique to it): the drafts its sampling
+        sequences seq_ids [S] get in it are on the device, under the placeholder ids [S][num_model_steps]
+        (cupyspec/engine/device_tokens.py), until the step is collected."""
         for seq_id, ids in zip(seq_ids, placeholders):
-            self._drafts[seq_id] = (np.array(ids, dtype=np.int32), None, None)
-            self._held_by[seq_id] = step
+            self._held[seq_id] = step, np.array(ids, dtype=np.int32)
 
     def remember(self, seq_ids: Sequence[int], drafts: np.ndarray, logprobs: np.ndarray,
                  probs: dict[int, Any] | None = None, step: object = None) -> None:
         """drafts [S, num_model_steps] int32 and the head's logprob of each [S, num_model_steps] f32
         (host) of the sampling sequences seq_ids [S] of a collected step; probs: s -> q
-        [num_model_steps, V] (device) of the sequences that drew their drafts. A sequence that a
-        later step in flight holds keeps proposing that step's drafts. Kept as rows: most are never
-        proposed."""
+        [num_model_steps, V] (device) of the sequences that drew their drafts. Kept as rows: most
+        are never proposed."""
         probs = probs or {}
         for s, (seq_id, tokens, lps) in enumerate(zip(seq_ids, drafts, logprobs)):
-            holder = self._held_by.get(seq_id)
-            if holder is not None and holder is not step:
-                continue
-            self._held_by.pop(seq_id, None)
             self._drafts[seq_id] = tokens, lps, probs.get(s)
+            held = self._held.get(seq_id)
+            if held is not None and held[0] is step:
+                del self._held[seq_id]
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         proposals = []
         for request in requests:
+            if request.token_ids[-1] < 0:  # a step in flight: its drafts, on the device
+                held = self._held.get(request.seq_id)
+                proposals.append(NO_DRAFTS if held is None else Drafts(held[1]).first(request.max_drafts))
+                continue
             drafts = self._drafts.get(request.seq_id)
-            proposals.append(NO_DRAFTS if drafts is None else Drafts(drafts[0], drafts[2], drafts[1])
-                             .first(request.max_drafts))
+            proposals.append(NO_DRAFTS if drafts is None else
+                             Drafts(drafts[0], drafts[2], drafts[1]).first(request.max_drafts))
         return proposals
 
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         self._drafts.pop(seq_id, None)
-        self._held_by.pop(seq_id, None)
+        self._held.pop(seq_id, None)
 
 
 def head_file(config: SpeculativeConfig, served_model: str) -> tuple[str, str | None]:
