@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.spec_decode.verification.accept_runs import accept_runs, greedy_runs
 
 
@@ -74,9 +75,30 @@ def greedy_case(rng: np.random.Generator, batch: int, max_drafts: int) -> tuple[
     return logits, drafts, num_drafts.astype(np.int64)
 
 
-def run_greedy(xp: Any, logits: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    out = greedy_runs(xp, xp.asarray(logits), drafts, num_drafts)
-    return out if xp is np else out.get()
+def run_greedy(xp: Any, logits: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray,
+               tokens: DeviceTokens | None = None) -> np.ndarray:
+    """The runs [2, B] (then, with `tokens`, the drafts resolved [B, K] and the tokens' slots and
+    accepted counts, flat)."""
+    batch = len(num_drafts)
+    out = greedy_runs(xp, xp.asarray(logits), drafts, num_drafts, tokens)
+    out = out if xp is np else out.get()
+    if tokens is None:
+        return out[:2 * batch].reshape(2, batch)
+    slots, accepted = (a if xp is np else a.get() for a in (tokens.slots, tokens.accepted))
+    return np.concatenate([out, slots, accepted])
+
+
+def with_placeholders(xp: Any, drafts: np.ndarray, num_drafts: np.ndarray) -> tuple[np.ndarray, DeviceTokens]:
+    """The drafts with every other one replaced by the placeholder of a DeviceTokens slot holding it."""
+    tokens = DeviceTokens(xp, max(1, len(num_drafts)), drafts.shape[1])
+    slots = np.zeros(tokens.slots.shape, np.int32)
+    placed = drafts.copy()
+    for b, n in enumerate(num_drafts):
+        for j in range(0, n, 2):
+            slot = b * tokens.width + 1 + j
+            slots[slot], placed[b, j] = drafts[b, j], ~slot
+    tokens.slots[:] = xp.asarray(slots)
+    return placed, tokens
 
 
 @pytest.mark.parametrize("batch,max_drafts", [(0, 3), (1, 0), (1, 5), (7, 8), (300, 5)])
@@ -89,6 +111,20 @@ def test_greedy_runs_are_the_runs_of_drafts_equal_to_their_rows_argmax(batch: in
     np.testing.assert_array_equal(run_greedy(np, logits, drafts, num_drafts), expected)
 
 
+@pytest.mark.parametrize("batch,max_drafts", [(1, 3), (7, 8), (300, 5)])
+def test_greedy_runs_resolve_placeholder_drafts_and_leave_the_verdict_in_the_device_tokens(batch, max_drafts):
+    logits, drafts, num_drafts = greedy_case(np.random.default_rng(batch), batch, max_drafts)
+    placed, tokens = with_placeholders(np, drafts, num_drafts)
+    assert (placed < -1).any()
+    out = greedy_runs(np, logits, placed, num_drafts, tokens)
+    runs = run_greedy(np, logits, drafts, num_drafts)
+    np.testing.assert_array_equal(out[:2 * batch].reshape(2, batch), runs)
+    resolved = out[2 * batch:].reshape(batch, max_drafts)
+    np.testing.assert_array_equal(np.where(np.arange(max_drafts) < num_drafts[:, None], resolved, -1), drafts)
+    np.testing.assert_array_equal(tokens.by_seq[:batch, 0], runs[1])
+    np.testing.assert_array_equal(tokens.accepted[:batch], runs[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,max_drafts", [(1, 0), (1, 8), (129, 5), (300, 8), (700, 3)])
 def test_greedy_kernel_matches_twin(batch: int, max_drafts: int) -> None:
@@ -97,3 +133,8 @@ def test_greedy_kernel_matches_twin(batch: int, max_drafts: int) -> None:
     for _ in range(3):  # the counter of finished blocks starts at 0 in every launch
         np.testing.assert_array_equal(run_greedy(cupy, logits, drafts, num_drafts),
                                       run_greedy(np, logits, drafts, num_drafts))
+    if batch and max_drafts:
+        placed, tokens = with_placeholders(np, drafts, num_drafts)
+        want = run_greedy(np, logits, placed, num_drafts, tokens)
+        placed, tokens = with_placeholders(cupy, drafts, num_drafts)
+        np.testing.assert_array_equal(run_greedy(cupy, logits, placed, num_drafts, tokens), want)

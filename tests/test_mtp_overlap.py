@@ -1,6 +1,6 @@
 """MTP steps that verify drafts overlap too: a step is formed and launched before the host has the
 tokens, accepted-draft counts and drafts of the step before, which the device feeds to it
-(cupyspec/engine/device_tokens.py). Nothing changes in the outputs, no KV block leaks, and while a
+(cupyspec/model/device_tokens.py). Nothing changes in the outputs, no KV block leaks, and while a
 request needs its verified tokens on the host (logprobs, sampling) steps wait for them."""
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
             xp, lambda: model.compute_logits(model.forward(DeviceBatch.of(xp, flat), kv)[rows]), repeats)
         result |= {"eager_host_ms": eager_host, "eager_device_ms": eager_dev}
         step_ms = max(eager_host, eager_dev)
-        if runner.graphs is not None and runner.graphs.run(flat) is not None:
+        if runner.graphs is not None and runner.graphs.run(flat, next_ids, no_shift) is not None:
             graph_host, graph_dev, logits = timed(xp, lambda: runner.graphs.run(flat, next_ids, no_shift), repeats)
             result |= {"graph_host_ms": graph_host, "graph_device_ms": graph_dev}
             step_ms = max(graph_host, graph_dev)

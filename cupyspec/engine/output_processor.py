@@ -112,7 +112,7 @@ class OutputProcessor:
                     num_drafts: Sequence_[int]) -> None:
         """Append to each sampling sequence s of a launched step, scheduled at owners[s], the
         placeholder id of the token the step emits for it, which is still on the device
-        (cupyspec/engine/device_tokens.py); num_drafts[s]: the drafts the step verifies for it, which
+        (cupyspec/model/device_tokens.py); num_drafts[s]: the drafts the step verifies for it, which
         may come before that token. process_step(held=True) puts the tokens there."""
         for s, i in enumerate(owners):
             seq = sched.scheduled[i].seq

@@ -8,7 +8,7 @@ through the speculative path).
 A step is launched, then collected. Launching queues the step's device work and the copies of its
 results to the host, and returns at once (on a GPU); `LaunchedStep.ready` tells when collecting
 would not wait. A step's emitted tokens (and an MTP head's drafts) also stay on the device, in
-`tokens` (device_tokens.py), where the next step's placeholder input ids find them. So the engine
+`tokens` (cupyspec/model/device_tokens.py), where the next step's placeholder input ids find them. So the engine
 can form and launch step N+1 before it has seen the tokens of step N (overlap scheduling).
 """
 
@@ -23,13 +23,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupyspec.backend import Backend
-from cupyspec.engine.device_tokens import DeviceTokens
 from cupyspec.engine.step_inputs import StepInputs, prepare_inputs
 from cupyspec.logprobs.graphs import LogprobGraphs
 from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
 from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
 from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.cuda_graphs import CudaGraphs
+from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.model.positions import shift_positions
@@ -98,7 +98,7 @@ class ModelRunner:
         self.graphs = (CudaGraphs(model, kv, self.stream, cuda_graph_max_tokens, max_model_len, self.tokens.slots,
                                   mtp.catch_up if mtp is not None else None, self.tokens.accepted)
                        if cuda and cuda_graph_max_tokens else None)
-        self.draft_graphs = (DraftGraphs(mtp, self.graphs, max_num_seqs)
+        self.draft_graphs = (DraftGraphs(mtp, self.graphs, max_num_seqs, self.tokens)
                              if mtp is not None and self.graphs is not None else None)
         # the logprob work of steps, replayed over the graphs' logits
         self.logprob_graphs = (LogprobGraphs(xp, self.graphs.logits, speculative.num_speculative_tokens)
@@ -125,23 +125,22 @@ class ModelRunner:
             step = self._sample_or_verify(inputs, forward)
             if self.mtp is None or not inputs.owners:
                 return step
-            drafted = self._draft(inputs, forward, step)
-            self.tokens.put_drafts(drafted.tokens)
+            drafted = self._draft(inputs, forward)
             return step._replace(mtp_drafts=HostTransfer(self.backend.xp, [drafted.tokens, drafted.logprobs]),
                                  mtp_probs=drafted.probs)
 
-    def _draft(self, inputs: StepInputs, forward: _Forward, step: LaunchedStep) -> Drafted:
+    def _draft(self, inputs: StepInputs, forward: _Forward) -> Drafted:
         """The MTP head's drafts from each sampling sequence's last accepted row, queued after
-        sampling or verification."""
-        accepted, tokens = None, self.tokens.by_seq[:len(inputs.owners), 0]  # [S]
-        if step.verdict is not None:
-            accepted, tokens = step.verdict.runs_on_device  # [S] each: accepted drafts, emitted token
+        sampling or verification, which left the accepted drafts and the emitted tokens in `tokens`;
+        the drafts go there too."""
         if forward.static:
-            return self.draft_graphs.run(inputs.first_rows, accepted, tokens, inputs.draft_sampling)
-        rows = to_device(self.backend.xp, inputs.first_rows)  # [S]
-        if accepted is not None:
-            rows = rows + accepted
-        return self.mtp.draft_from(forward.residual, forward.batch, rows, tokens, self.kv, inputs.draft_sampling)
+            return self.draft_graphs.run(inputs.first_rows, inputs.draft_sampling)
+        count = len(inputs.owners)
+        rows = to_device(self.backend.xp, inputs.first_rows) + self.tokens.accepted[:count]  # [S]
+        drafted = self.mtp.draft_from(forward.residual, forward.batch, rows, self.tokens.by_seq[:count, 0], self.kv,
+                                      inputs.draft_sampling)
+        self.tokens.put_drafts(drafted.tokens)
+        return drafted
 
     def _sample_or_verify(self, inputs: StepInputs, forward: _Forward) -> LaunchedStep:
         """Sampling or verification of the step's target rows, and their logprobs, queued."""
@@ -154,16 +153,13 @@ class ModelRunner:
             if self.speculative.verify_strategy == "rejection":
                 probs = draft_distributions(xp, inputs.drafts, inputs.num_drafts, inputs.draft_probs,
                                             target_logits.shape[1])
-            on_device = self._drafts_on_device(inputs)  # [S, K] of drafts the host does not have yet
             verdict = launch_verify(
                 xp, target_logits,
                 VerifyInput(inputs.drafts, inputs.num_drafts, probs, inputs.sampling, inputs.accept_uniforms,
-                            inputs.draft_logprobs, on_device),
+                            inputs.draft_logprobs, self.tokens if self.mtp is not None else None),
                 inputs.logprobs, self.speculative.verify_strategy, self.speculative.accept_policy,
                 self.logprob_stream, self.renderer if inputs.logprobs.renders else None, self.logprob_graphs,
                 inputs.first_rows if static else None)
-            if self.mtp is not None:  # the next step may read the emitted tokens and accepted counts
-                self.tokens.put_verdict(verdict.runs_on_device)
         elif target_logits is not None:
             tokens = sample_tokens_on_device(xp, target_logits, inputs.sampling)
             self.tokens.put_sampled(tokens)
@@ -181,15 +177,6 @@ class ModelRunner:
             k_max = max(k for _, _, k in inputs.prompt_owner)
             arrays += logprobs_on_device(xp, prompt_logits, inputs.prompt_targets, k_max)
         return LaunchedStep(inputs, HostTransfer(xp, arrays), num_sample_arrays, verdict)
-
-    def _drafts_on_device(self, inputs: StepInputs) -> Any | None:
-        """The step's drafts [S, K] int64 on the device, where some are placeholders for drafts an MTP
-        head made in the step before, still on the device; None when the host has them all."""
-        if not inputs.drafts_on_device:
-            return None
-        xp = self.backend.xp
-        ids = to_device(xp, inputs.drafts)  # [S, K]
-        return xp.where(ids >= 0, ids, self.tokens.slots[xp.maximum(~ids, 0)]).astype(np.int64)
 
     def _replay_logprobs(self, tokens: Any, k: int | None, inputs: StepInputs) -> HostTransfer | None:
         """A plain step's logprobs of its sampled tokens [R] (top k) by a CUDA graph over the static

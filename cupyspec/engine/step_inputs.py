@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cupyspec.engine.device_tokens import DeviceTokens
 from cupyspec.model.batch import FlatBatch, flat_batch
+from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
@@ -44,7 +44,6 @@ class StepInputs(NamedTuple):
     # [T] int32: for the rows of a sequence whose step in flight verifies drafts, its index there (its
     # accepted drafts move the rows' positions on: device_tokens.py); -1 elsewhere; None: no such row
     shift_from: np.ndarray | None = None
-    drafts_on_device: bool = False  # some drafts are placeholders for an MTP head's, still on the device
 
 
 def _sampling_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
@@ -211,5 +210,4 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int,
         next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
         draft_sampling=_draft_sampling(targets) if for_mtp else None,
         shift_from=shift_from,
-        drafts_on_device=bool((drafts < PLACEHOLDER_TOKEN_ID).any()),
     )

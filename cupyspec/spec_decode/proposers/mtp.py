@@ -141,7 +141,7 @@ class MTPProposer(Proposer):
     def hold(self, seq_ids: Sequence[int], placeholders: Sequence[Sequence[int]], step: object) -> None:
         """At the launch of an overlapped step (`step`, any object unique to it): the drafts its sampling
         sequences seq_ids [S] get in it are on the device, under the placeholder ids [S][num_model_steps]
-        (cupyspec/engine/device_tokens.py), until the step is collected."""
+        (cupyspec/model/device_tokens.py), until the step is collected."""
         for seq_id, ids in zip(seq_ids, placeholders):
             self._held[seq_id] = step, np.array(ids, dtype=np.int32)
 

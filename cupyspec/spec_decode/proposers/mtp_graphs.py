@@ -2,9 +2,10 @@
 
 A drafting graph runs right after the forward graph of its step and reads that graph's static
 buffers (cupyspec/model/cuda_graphs.py): the target's hidden states, positions, batch ids and block
-tables of the step's rows. Its own inputs are each sampling sequence's first target row (staged from
-the host), and the accepted drafts and the emitted token after them (copied on the device from the
-verdict, or the sampled tokens). Entries past the step's S sequences are padding: their row is the
+tables of the step's rows. Its own input is each sampling sequence's first target row, staged from
+the host; the drafts it accepted and the token it emitted come from the device tokens
+(cupyspec/model/device_tokens.py), where sampling or verification left them, and the drafts go
+there too, for the next step. Entries past the step's S sequences are padding: their row is the
 forward graphs' padding column, whose block table is the KV cache's scratch block.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from cupyspec.kernels import programmatic_launches
 from cupyspec.model.cuda_graphs import BUCKETS, CudaGraphs
+from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.spec_decode.proposers.mtp import Drafted, DraftSampling, MTPDrafting
 
 log = logging.getLogger("cupyspec")
@@ -26,21 +28,22 @@ log = logging.getLogger("cupyspec")
 class DraftGraphs:
     """`MTPDrafting.draft` captured per bucket of sampling sequences, over `forward`'s static buffers."""
 
-    def __init__(self, drafting: MTPDrafting, forward: CudaGraphs, max_num_seqs: int) -> None:
+    def __init__(self, drafting: MTPDrafting, forward: CudaGraphs, max_num_seqs: int, tokens: DeviceTokens) -> None:
+        """tokens: holds at least as many sequences as the largest bucket (DeviceTokens.capacity)."""
         import cupy
         import cupyx
 
-        self.drafting, self.forward = drafting, forward
+        self.drafting, self.forward, self.device_tokens = drafting, forward, tokens
         rows = forward.padding_row  # the forward graphs' largest bucket, and their padding column
         self.buckets = tuple(b for b in BUCKETS if b <= rows)
         self.buckets = self.buckets[:bisect.bisect_left(self.buckets, max_num_seqs) + 1]
         size, steps = self.buckets[-1], drafting.num_model_steps
+        if size > len(tokens.accepted):
+            raise ValueError(f"the device tokens hold {len(tokens.accepted)} sequences, the drafting graphs {size}")
         self.padding = rows
         self.host_first_rows = [cupyx.empty_pinned(size, np.int32) for _ in range(2)]  # used in turn
         self._turn = 0
         self.first_rows = cupy.full(size, rows, np.int32)  # [size]: each sequence's first target row
-        self.accepted = cupy.zeros(size, np.int32)  # [size]: its accepted drafts
-        self.tokens = cupy.zeros(size, np.int32)  # [size]: the token emitted after them
         self.drafts = cupy.zeros((size, steps), np.int32)  # [size, steps]
         self.logprobs = cupy.zeros((size, steps), np.float32)  # [size, steps]: the head's logprob of each
         self.graphs: dict[int, Any] = {}
@@ -60,23 +63,24 @@ class DraftGraphs:
         """`MTPDrafting.draft`'s inputs for the first `count` entries, from the static buffers."""
         import cupy
 
-        f = self.forward
-        rows = cupy.minimum(self.first_rows[:count] + self.accepted[:count], self.padding)  # [count]
+        f, tokens = self.forward, self.device_tokens
+        rows = cupy.minimum(self.first_rows[:count] + tokens.accepted[:count], self.padding)  # [count]
         positions, batch_ids = f.tokens[1][rows], f.tokens[2][rows]  # [count] each
-        return f.residual[rows], self.tokens[:count], positions, f.tables[batch_ids], f.previous_tokens, f.kv
+        return f.residual[rows], tokens.by_seq[:count, 0], positions, f.tables[batch_ids], f.previous_tokens, f.kv
 
-    def _draft(self, bucket: int) -> None:
-        drafted = self.drafting.draft(*self._boundaries(bucket))
+    def _draft(self, bucket: int, sampling: DraftSampling | None = None) -> Drafted:
+        drafted = self.drafting.draft(*self._boundaries(bucket), sampling)
+        self.device_tokens.by_seq[:bucket, 1:] = drafted.tokens  # past the step's sequences: unread
         self.drafts[:bucket] = drafted.tokens
         self.logprobs[:bucket] = drafted.logprobs
+        return drafted
 
-    def run(self, first_rows: np.ndarray, accepted: Any | None, tokens: Any,
-            sampling: DraftSampling | None = None) -> Drafted:
-        """The drafts of S sequences from their first target rows first_rows [S] (host) in the step
-        the forward graphs ran last, their accepted drafts [S] (device; None: none) and the tokens
-        emitted after them [S] (device): greedy ones by a graph (views of static buffers, valid until
-        the next run), else eagerly over the same inputs. A step holds at most max_num_seqs
-        sequences, and at most as many as the forward graphs' rows: the largest bucket holds them."""
+    def run(self, first_rows: np.ndarray, sampling: DraftSampling | None = None) -> Drafted:
+        """The drafts of S sequences from their first target rows first_rows [S] (host) in the step the
+        forward graphs ran last, after its sampling or verification: greedy ones by a graph (views of
+        static buffers, valid until the next run), else eagerly over the same inputs. A step holds at
+        most max_num_seqs sequences, and at most as many as the forward graphs' rows: the largest
+        bucket holds them."""
         num_seqs = len(first_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
         turn, self._turn = self._turn, self._turn ^ 1
@@ -84,12 +88,7 @@ class DraftGraphs:
         staged[:num_seqs] = first_rows
         staged[num_seqs:bucket] = self.padding
         self.first_rows[:bucket].set(staged[:bucket], stream=self.forward.stream)
-        if accepted is None:
-            self.accepted[:num_seqs] = 0
-        else:
-            self.accepted[:num_seqs] = accepted
-        self.tokens[:num_seqs] = tokens
         if sampling is not None:
-            return self.drafting.draft(*self._boundaries(num_seqs), sampling)
+            return self._draft(num_seqs, sampling)
         self.graphs[bucket].launch(self.forward.stream)
         return Drafted(self.drafts[:num_seqs], self.logprobs[:num_seqs])

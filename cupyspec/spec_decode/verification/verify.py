@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.sampling.argmax import argmax_rows
 from cupyspec.sampling.sampler import SamplingRow, drawn_rows, penalized_logits
 from cupyspec.spec_decode.speculative_config import ACCEPT_POLICIES, VERIFY_STRATEGIES
@@ -51,9 +52,10 @@ class VerifyInput:
     rows: tuple[SamplingRow, ...]  # [R = sum(num_drafts + 1)]; each row's output ids include the drafts before it
     extra_uniforms: np.ndarray  # [R] float64 host: the draws of the acceptance tests (`rejection`)
     draft_logprobs: np.ndarray | None = None  # [B, K] f32 host: the draft model's logprob of each draft (NaN: none)
-    # [B, K] int64 on the device: the drafts, where draft_token_ids holds placeholders for drafts the
-    # host does not have yet (greedy rows only: the other strategies read the drafts on the host)
-    device_drafts: Any | None = None
+    # where the next step reads this one's emitted tokens and accepted drafts, and where the drafts
+    # that draft_token_ids names by placeholders (~slot) are: an MTP head's, still on the device
+    # (greedy rows only: the other strategies read the drafts on the host)
+    device_tokens: DeviceTokens | None = None
 
     def __post_init__(self) -> None:
         drafts = np.asarray(self.draft_token_ids)
@@ -104,6 +106,9 @@ class DeviceVerdict:
     """Verification results still on the device, for consumers that fuse more work before the transfer."""
 
     runs: Any  # [2, B] int64: drafts before the first rejection, then the bonus or correction token after them
+    # [2B + B*K] int64: the runs, then the drafts [B, K] with their placeholders resolved, when some were
+    # placeholders (one array, for one transfer)
+    runs_and_drafts: Any | None = None
 
     @property
     def num_accepted(self) -> Any:  # [B] int64
@@ -173,7 +178,7 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
         raise ValueError(f"target_logits must have shape [R={num_rows}, V], got {target_logits.shape}")
     vocab = target_logits.shape[1]
     drafts = inp.draft_token_ids[np.arange(k) < inp.num_drafts[:, None]]  # [D]
-    if inp.device_drafts is None and drafts.size and (drafts.min() < 0 or drafts.max() >= vocab):
+    if drafts.size and ((inp.device_tokens is None and drafts.min() < 0) or drafts.max() >= vocab):
         raise ValueError(f"draft_token_ids holds a draft outside the vocabulary [0, {vocab})")
     if inp.draft_probs is not None and tuple(inp.draft_probs.shape) != (batch, k, vocab):
         raise ValueError(f"draft_probs must have shape [B={batch}, K={k}, V={vocab}], got {inp.draft_probs.shape}")
@@ -181,12 +186,24 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
         return DeviceVerdict(xp.zeros((2, 0), xp.int64))
 
     logits = target_logits.astype(xp.float32, copy=False)
-    if accept_policy == "normal" and drafts.size and not drawn_rows(inp.rows).size:
+    if drafts.size and not drawn_rows(inp.rows).size:
         # no row draws: under every strategy a draft passes iff it is its row's argmax
-        drafts = inp.draft_token_ids if inp.device_drafts is None else inp.device_drafts
-        return DeviceVerdict(greedy_runs(xp, penalized_logits(xp, logits, inp.rows), drafts, inp.num_drafts))
-    if accept_policy == "normal" and inp.device_drafts is not None:
+        packed = greedy_runs(xp, penalized_logits(xp, logits, inp.rows), inp.draft_token_ids, inp.num_drafts,
+                             inp.device_tokens, accept_policy)  # [2B + B*K]
+        runs = packed[:2 * batch].reshape(2, batch)
+        return DeviceVerdict(runs, packed if drafts.size and drafts.min() < 0 else None)
+    if drafts.size and drafts.min() < 0:
         raise ValueError("drafts still on the device verify on greedy rows only")
+    verdict = _verify_on_host_drafts(xp, logits, inp, strategy, accept_policy)
+    if inp.device_tokens is not None:
+        inp.device_tokens.put_verdict(verdict.runs)
+    return verdict
+
+
+def _verify_on_host_drafts(xp: Any, logits: Any, inp: VerifyInput, strategy: str,
+                           accept_policy: str) -> DeviceVerdict:
+    """verify_on_device's work past the greedy case, with every draft on the host."""
+    batch, num_rows = len(inp.num_drafts), len(inp.rows)
     first_row = np.concatenate([[0], np.cumsum(inp.num_drafts + 1)])  # [B+1] bounds of each request's rows
     layout = DraftLayout.of(inp.draft_token_ids, inp.num_drafts)
     target = score_rows(xp, logits, inp.rows, layout)

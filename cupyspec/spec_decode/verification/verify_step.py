@@ -131,10 +131,11 @@ class PendingVerdict:
 
     def result(self, logprobs: bool = True) -> StepVerdict:
         """The verdict, and the logprobs unless `logprobs` is False (then None each, until `logprobs()`)."""
-        host = self._runs.result()  # the runs, then the drafts when they were on the device only
-        num_accepted, emitted = host[0].tolist()
-        return StepVerdict(num_accepted, emitted, self.logprobs() if logprobs else self._none,
-                           host[1] if len(host) > 1 else None)
+        host = self._runs.result()[0]  # the runs [2, B], or the runs then the drafts [2B + B*K] when placeholders
+        num_seqs = self.runs_on_device.shape[1]
+        num_accepted, emitted = host[:2 * num_seqs].reshape(2, num_seqs).tolist()
+        drafts = host[2 * num_seqs:].reshape(num_seqs, -1) if host.ndim == 1 else None
+        return StepVerdict(num_accepted, emitted, self.logprobs() if logprobs else self._none, drafts)
 
     def logprobs(self) -> StepLogprobs:
         """Each request's logprobs; waits for them."""
@@ -159,11 +160,9 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     in a step that also runs prompts, only some rows pick tokens).
     """
     if not wanted.any:
-        runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
-        drafts = [] if inp.device_drafts is None else [inp.device_drafts]
-        return PendingVerdict(runs, HostTransfer(xp, [runs, *drafts]))
-    if inp.device_drafts is not None:
-        raise ValueError("logprobs need the drafts on the host")
+        verdict = verify_on_device(xp, logits, inp, strategy, accept_policy)
+        packed = verdict.runs if verdict.runs_and_drafts is None else verdict.runs_and_drafts
+        return PendingVerdict(verdict.runs, HostTransfer(xp, [packed]))
     wants = _wants(wanted)
     k = wanted.max_top_logprobs
     renderer = renderer if any(wants.rendered) else None
@@ -173,7 +172,10 @@ def launch_verify(xp: Any, logits: Any, inp: VerifyInput, wanted: LogprobRequest
     overlap = side is not None and slot is None
     if overlap:  # the log-softmax starts once the logits are there, beside verification
         side.stream.wait_event(xp.cuda.get_current_stream().record(side.logits_ready))
-    runs = verify_on_device(xp, logits, inp, strategy, accept_policy).runs  # [2, B]
+    on_device = verify_on_device(xp, logits, inp, strategy, accept_policy)
+    if on_device.runs_and_drafts is not None:
+        raise ValueError("logprobs of drafts need them on the host")
+    runs = on_device.runs  # [2, B]
     verdict = HostTransfer(xp, [runs])
     if slot is not None:
         on_device = graph.on_device

@@ -19,10 +19,17 @@ class DeviceTokens:
     """The slots and the accepted draft counts of the last step's sampling sequences."""
 
     def __init__(self, xp: Any, max_num_seqs: int, num_model_steps: int = 0) -> None:
+        """Room for `capacity(max_num_seqs)` sequences: a drafting graph's padding entries write too."""
+        count = self.capacity(max_num_seqs)
         self.width = 1 + num_model_steps
-        self.slots = xp.zeros(max_num_seqs * self.width, dtype=np.int32)  # [max_num_seqs * WIDTH]
-        self.by_seq = self.slots.reshape(max_num_seqs, self.width)  # [max_num_seqs, WIDTH], a view
-        self.accepted = xp.zeros(max_num_seqs, dtype=np.int32)  # [max_num_seqs]
+        self.slots = xp.zeros(count * self.width, dtype=np.int32)  # [count * WIDTH]
+        self.by_seq = self.slots.reshape(count, self.width)  # [count, WIDTH], a view
+        self.accepted = xp.zeros(count, dtype=np.int32)  # [count]
+
+    @staticmethod
+    def capacity(max_num_seqs: int) -> int:
+        """max_num_seqs rounded up to a multiple of 16: a CUDA-graph bucket of sequences holds it."""
+        return -(-max_num_seqs // 16) * 16
 
     def emitted(self, s: int) -> int:
         """The placeholder id of the token sampling sequence s emits in the step."""
@@ -38,10 +45,11 @@ class DeviceTokens:
         return ~placeholder // self.width
 
     def put_sampled(self, tokens: Any) -> None:
-        """A plain step's tokens [S]: no drafts accepted."""
+        """A plain step's tokens [S]: no drafts accepted (which only a step with drafts reads)."""
         count = len(tokens)
         self.by_seq[:count, 0] = tokens
-        self.accepted[:count] = 0
+        if self.width > 1:
+            self.accepted[:count] = 0
 
     def put_verdict(self, runs: Any) -> None:
         """A verifying step's runs [2, S]: the accepted drafts and the emitted token of each sequence."""
