@@ -143,8 +143,8 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
             result |= {"graph_host_ms": graph_host, "graph_device_ms": graph_dev}
             step_ms = max(graph_host, graph_dev)
             if runner.draft_graphs is not None:
-                first_rows, tokens = np.arange(batch) * query_len, xp.zeros(batch, np.int32)
-                host, dev, _ = timed(xp, lambda: runner.draft_graphs.run(first_rows, None, tokens), repeats)
+                first_rows = np.arange(batch) * query_len
+                host, dev, _ = timed(xp, lambda: runner.draft_graphs.run(first_rows), repeats)
                 steps = runner.mtp.num_model_steps
                 result |= {"mtp_draft_host_ms": host, "mtp_draft_device_ms": dev,
                            "mtp_draft_device_us_per_step": 1e3 * dev / steps}
