@@ -11,7 +11,8 @@ import pytest
 
 from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
 from cupyspec.spec_decode.proposers.chain import ChainProposer
-from cupyspec.spec_decode.proposers.factory import make_proposer
+from cupyspec.spec_decode.proposers.factory import make_proposer, mtp_proposer
+from cupyspec.spec_decode.proposers.hybrid import MTPWithNgram
 from cupyspec.spec_decode.proposers.mtp import MTPProposer
 from cupyspec.spec_decode.proposers.ngram import NgramProposer
 from cupyspec.spec_decode.proposers.suffix import INSERT_CHUNK, SuffixProposer, SuffixTree
@@ -379,8 +380,9 @@ def test_the_factory_builds_the_configured_proposer() -> None:
                       MTPProposer)
     hybrid = make_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=5, num_model_steps=2, model="head",
                                              mtp_strategy="with_ngram"))
-    assert isinstance(hybrid, ChainProposer) and isinstance(hybrid.first, MTPProposer)
-    assert isinstance(hybrid.second, NgramProposer) and hybrid.first_count == 2
+    assert isinstance(hybrid, MTPWithNgram) and mtp_proposer(hybrid) is hybrid.first
+    assert isinstance(hybrid.first, MTPProposer) and isinstance(hybrid.ngram, NgramProposer)
+    assert hybrid.chain.first is hybrid.first and hybrid.chain.first_count == 2
     assert NaiveProposer().propose([]) == [] and len(NO_DRAFTS) == 0
 
 
@@ -402,3 +404,15 @@ def test_mtp_proposes_the_drafts_of_a_sequences_last_step_in_flight_or_collected
     mtp.remember([3], np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32), None, step_two)
     assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])  # nothing holds it any more
     assert mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0].token_ids.tolist() == [50, 51, 52]
+
+
+def test_with_ngram_takes_ngrams_drafts_where_the_text_copies_itself_else_the_heads_continued_by_ngram() -> None:
+    mtp, ngram = MTPProposer(), NgramProposer(1, 4)
+    hybrid = MTPWithNgram(mtp, ngram, num_model_steps=2)
+    copying = np.array([10, 11, 12, 13, 14, 15, 16, 10, 11, 12, 13], np.int32)  # "10 11 12 13" again: 4 agree
+    fresh = np.array([20, 21, 22, 23, 24, 30, 22], np.int32)  # the last token occurred once before: 1 agrees
+    mtp.remember([1, 2], np.array([[90, 91], [22, 23]], np.int32), np.zeros((2, 2), np.float32))
+    out = hybrid.propose([DraftRequest(1, "a", copying, 4, 3), DraftRequest(2, "b", fresh, 4, 4)])
+    assert out[0].token_ids.tolist() == [14, 15, 16]  # ngram's copy, not the head's 90, 91
+    # the head's two drafts, then ngram from the context followed by them ("22 23" -> "24 30")
+    assert out[1].token_ids.tolist() == [22, 23, 24, 30] and np.isnan(out[1].logprobs[2:]).all()

@@ -34,7 +34,7 @@ from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.backoff.step_cost import StepShape
 from cupyspec.spec_decode.drafter import Drafter
-from cupyspec.spec_decode.proposers.factory import make_proposer
+from cupyspec.spec_decode.proposers.factory import make_proposer, mtp_proposer
 from cupyspec.spec_decode.proposers.mtp import MTPProposer, make_mtp_drafting
 from cupyspec.spec_decode.speculative_config import RequestSpeculation
 from cupyspec.spec_decode.stats import SpecStats
@@ -99,7 +99,7 @@ class AsyncEngine:
         self.max_model_len = requested or context
         model = LlamaModel(loaded.config, loaded.weights, backend)
         proposer = make_proposer(config.speculative)
-        mtp = make_mtp_drafting(config.speculative, model, proposer, self.max_model_len, config.model)
+        mtp = make_mtp_drafting(config.speculative, model, mtp_proposer(proposer), self.max_model_len, config.model)
         heads = int(mtp is not None)  # an MTP head's K/V is one more layer of the pool
         block_size = config.cache.block_size
         num_blocks = kv_cache_blocks(config.cache, backend,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cupyspec.spec_decode.proposers.base import NaiveProposer, Proposer
-from cupyspec.spec_decode.proposers.chain import ChainProposer
+from cupyspec.spec_decode.proposers.hybrid import MTPWithNgram
 from cupyspec.spec_decode.proposers.mtp import MTPProposer
 from cupyspec.spec_decode.proposers.ngram import NgramProposer
 from cupyspec.spec_decode.proposers.suffix import SuffixProposer
@@ -28,7 +28,14 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
         )
     if method == "mtp":
         if config.mtp_strategy == "with_ngram":
-            return ChainProposer(MTPProposer(), NgramProposer(config.ngram_min, config.ngram_max),
-                                 config.num_model_steps)
+            ngram = NgramProposer(config.ngram_min, config.ngram_max)
+            return MTPWithNgram(MTPProposer(), ngram, config.num_model_steps)
         return MTPProposer()
     raise ValueError(f"unknown speculative method {method!r}")
+
+
+def mtp_proposer(proposer: Proposer | None) -> MTPProposer | None:
+    """The MTP head's proposer inside `proposer` (itself, or a hybrid's), or None."""
+    if isinstance(proposer, MTPWithNgram):
+        return proposer.first
+    return proposer if isinstance(proposer, MTPProposer) else None

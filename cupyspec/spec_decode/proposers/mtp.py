@@ -38,7 +38,6 @@ from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import inverse_cdf, rank_probs
 from cupyspec.sampling.uniforms import DRAFT_STREAM, counter_uniforms
 from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, Proposer
-from cupyspec.spec_decode.proposers.chain import ChainProposer
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from cupyspec.transfer import to_device
 
@@ -188,14 +187,12 @@ def head_file(config: SpeculativeConfig, served_model: str) -> tuple[str, str | 
     return str(path), sha256
 
 
-def make_mtp_drafting(config: SpeculativeConfig, target: LlamaModel, proposer: Proposer | None,
+def make_mtp_drafting(config: SpeculativeConfig, target: LlamaModel, mtp: MTPProposer | None,
                       max_model_len: int, served_model: str) -> MTPDrafting | None:
-    """The head's drafting for `proposer` (an MTPProposer, or a chain that starts with one), its
-    weights loaded from `head_file`; None when the config speculates otherwise."""
-    if config.method != "mtp":
+    """The head's drafting for the proposer `mtp` (factory.mtp_proposer), its weights loaded from
+    `head_file`; None when the config speculates otherwise."""
+    if mtp is None:
         return None
-    mtp = proposer.first if isinstance(proposer, ChainProposer) else proposer
-    assert isinstance(mtp, MTPProposer), "make_proposer gives an MTPProposer first for method 'mtp'"
     path, sha256 = head_file(config, served_model)
     head = MTPHead(target, load_head_weights(path, target.config, sha256))
     return MTPDrafting(head, config.num_model_steps, mtp, max_model_len)

@@ -60,10 +60,15 @@ class NgramProposer(Proposer):
         self._histories: dict[int, _History] = {}  # seq_id -> its indexed tokens
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
+        return self.propose_copies(requests, self.ngram_min)
+
+    def propose_copies(self, requests: Sequence[DraftRequest], min_agreement: int) -> list[Drafts]:
+        """`propose`, where the occurrence agrees with the context on at least `min_agreement` tokens
+        (>= ngram_min); none elsewhere."""
         out = [NO_DRAFTS] * len(requests)
         for i, r in enumerate(requests):
             if r.max_drafts > 0 and r.token_ids.size > self.ngram_min:
-                drafts = self._drafts(self._history(r), r.max_drafts)
+                drafts = self._drafts(self._history(r), r.max_drafts, min_agreement)
                 if drafts:
                     out[i] = Drafts(np.array(drafts, dtype=np.int32))
         return out
@@ -81,7 +86,7 @@ class NgramProposer(Proposer):
         history.extend(new)
         return history
 
-    def _drafts(self, history: _History, max_drafts: int) -> list[int]:
+    def _drafts(self, history: _History, max_drafts: int, min_agreement: int) -> list[int]:
         """What followed the best occurrence of the context's tail (see the class docstring)."""
         tokens, end, window = history.tokens, len(history.tokens) - 1, self.agreement_window
         best, best_agreement = -1, 0
@@ -101,7 +106,7 @@ class NgramProposer(Proposer):
             positions = history.by_token[tokens[end]]
             if len(positions) > 1:
                 best, best_agreement = positions[-2], 1
-        if best_agreement < self.ngram_min:
+        if best_agreement < max(self.ngram_min, min_agreement):
             return []
         period = end - best  # tokens after the occurrence up to the context's end
         return [tokens[best + 1 + i % period] for i in range(max_drafts)]
