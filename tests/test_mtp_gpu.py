@@ -164,3 +164,31 @@ def test_sampled_requests_draft_alike_with_and_without_graphs(default_model_path
             await engine.shutdown()
 
     assert asyncio.run(answers(True)) == asyncio.run(answers(False))
+
+
+def test_the_heads_input_kernel_matches_its_twin(default_model_path, head_path):
+    """cuda/mtp_input.cu (embedding with placeholders, both norms, the concatenation) against the
+    NumPy lines it stands for."""
+    import cupy
+
+    from cupyspec.backend import select_backend
+    from cupyspec.loader import load_model
+    from cupyspec.model.batch import DeviceBatch
+    from cupyspec.model.llama import LlamaModel
+    from cupyspec.model.mtp import MTPHead, load_head_weights
+
+    loaded = load_model(default_model_path)
+    rng = np.random.default_rng(5)
+    rows, hidden = 37, loaded.config.hidden_size
+    previous = rng.integers(0, loaded.config.vocab_size, 8).astype(np.int32)
+    ids = rng.integers(0, loaded.config.vocab_size, rows).astype(np.int32)
+    ids[::5] = ~rng.integers(0, 8, len(ids[::5]))  # placeholders for previous[n]
+    h = (rng.standard_normal((rows, hidden)) * 3).astype(np.float32)
+    joined = {}
+    for device in ("cpu", "cuda"):
+        backend = select_backend(device)
+        xp = backend.xp
+        head = MTPHead(LlamaModel(loaded.config, loaded.weights, backend), load_head_weights(head_path, loaded.config))
+        batch = DeviceBatch(xp.asarray(ids), None, None, None, None, xp.asarray(previous))
+        joined[device] = cupy.asnumpy(head._input_rows(xp.asarray(h), batch)).astype(np.float32)
+    np.testing.assert_allclose(joined["cuda"], joined["cpu"], rtol=1e-2, atol=1e-2)

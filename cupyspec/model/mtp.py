@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from cupyspec.config import ModelConfig
+from cupyspec.kernels import load_kernel
 from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.fused import rms_norm
@@ -39,6 +40,7 @@ from cupyspec.model.linear import linear
 from cupyspec.model.llama import LlamaModel, layer_weights
 
 FORMAT = "cupyspec-mtp-v1"
+INPUT_WARPS = 4  # rows per block: WARPS in cuda/mtp_input.cu
 PREFIX = "mtp."
 LAYER_PREFIX = "mtp.layer."
 
@@ -110,11 +112,25 @@ class MTPHead:
 
     def _input(self, hidden: Any, batch: DeviceBatch) -> Any:
         """u = concat(enorm(embedding), hnorm(hidden)) @ eh_proj.T: [T, H] fp32."""
+        return linear(self.target.backend.xp, self._input_rows(hidden, batch), self.eh_proj, np.float32)
+
+    def _input_rows(self, hidden: Any, batch: DeviceBatch) -> Any:
+        """concat(enorm(embedding of the input ids), hnorm(hidden [T, H] fp32)): [T, 2H] in the weights'
+        dtype. On a GPU with fp16 weights cuda/mtp_input.cu; these lines are its twin."""
         xp, dt, eps = self.target.backend.xp, self.target.backend.dtype, self.target.config.rms_norm_eps
-        embedded = embed_tokens(xp, self.target.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32
-        joined = xp.concatenate([rms_norm(xp, embedded, self.enorm, eps, dt),
-                                 rms_norm(xp, hidden, self.hnorm, eps, dt)], axis=1)  # [T, 2H]
-        return linear(xp, joined, self.eh_proj, np.float32)
+        num_tokens, width = hidden.shape
+        if xp is np or np.dtype(dt) != np.float16 or width % 4:
+            embedded = embed_tokens(xp, self.target.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32
+            return xp.concatenate([rms_norm(xp, embedded, self.enorm, eps, dt),
+                                   rms_norm(xp, hidden, self.hnorm, eps, dt)], axis=1)
+        out = xp.empty((num_tokens, 2 * width), dtype=np.float16)
+        if num_tokens:
+            load_kernel("mtp_input", "mtp_input")(
+                (-(-num_tokens // INPUT_WARPS),), (INPUT_WARPS * 32,),
+                (self.target.embed, xp.ascontiguousarray(batch.input_ids, dtype=np.int32), batch.previous_tokens,
+                 xp.ascontiguousarray(hidden, dtype=np.float32), self.enorm, self.hnorm, out, np.int32(num_tokens),
+                 np.int32(width), np.float32(eps)))
+        return out
 
     def logits(self, residual: Any) -> Any:
         """The head's residual [R, H] -> logits [R, V] fp32 through the target's final norm and LM head."""

@@ -80,21 +80,22 @@ class MTPDrafting:
         row, tokens [S] the token emitted after it, positions [S] int32 its position, block_tables
         [S, W] int32 its sequence's blocks; previous: the placeholder tokens of DeviceBatch (unused
         here); sampling: the rows that draw at random (None: every row is greedy)."""
-        xp, block_size = self.head.target.backend.xp, kv.block_size
+        xp, block_size, steps = self.head.target.backend.xp, kv.block_size, self.num_model_steps
         rows = xp.arange(len(tokens), dtype=np.int32)  # [S]: each row a sequence of its own
+        # [steps, S]: the position and KV slot of each head step, worked out at once
+        at = xp.minimum(positions[None, :] + xp.arange(steps, dtype=np.int32)[:, None], self.last_position)
+        slots = block_tables[rows[None, :], at // block_size] * block_size + at % block_size
         tokens, drafts, logprobs, probs = tokens.astype(np.int32), [], [], []
-        for _ in range(self.num_model_steps):
-            slots = block_tables[rows, positions // block_size] * block_size + positions % block_size  # [S]
-            hidden = self.head.step(hidden, DeviceBatch(tokens, positions, rows, slots, block_tables, previous),
-                                    kv)  # [S, H]
+        for step in range(steps):
+            batch = DeviceBatch(tokens, at[step], rows, slots[step], block_tables, previous)
+            hidden = self.head.step(hidden, batch, kv)  # [S, H]
             logits = self.head.logits(hidden)  # [S, V]
             picks, logprob = argmax_logprobs(xp, logits)  # [S], [S]
             if sampling is not None:
-                probs.append(_draw(xp, logits, positions + 2, sampling, picks, logprob))  # the draft's position
+                probs.append(_draw(xp, logits, at[step] + 2, sampling, picks, logprob))  # the draft's position
             tokens = picks.astype(np.int32)
             drafts.append(tokens)
             logprobs.append(logprob)
-            positions = xp.minimum(positions + 1, self.last_position)
         return Drafted(xp.stack(drafts, axis=1), xp.stack(logprobs, axis=1),
                        xp.stack(probs, axis=1) if probs else None)
 
