@@ -22,3 +22,14 @@ def default_model_path() -> str:
     from cupyspec.loader.default_model import resolve_model
 
     return str(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp(tmp_path_factory) -> tuple[str, str]:
+    """A tiny llama GGUF and a random MTP head file for it: (model path, head path)."""
+    from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file
+
+    folder = tmp_path_factory.mktemp("tiny_mtp")
+    gguf_path = tiny_model_paths(folder, "llama")[1]
+    head = write_head_file(folder / "head.safetensors", random_head_weights(TinySpec()))
+    return str(gguf_path), str(head)

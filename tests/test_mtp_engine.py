@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 from reference_model import reference_hidden, reference_mtp_step
-from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file
+from tiny_models import TinySpec, random_head_weights, write_head_file
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
@@ -21,11 +21,8 @@ PROMPTS = [[7, 8, 9, 10, 11, 12] * 4, [3, 4, 5, 3, 4, 5, 3, 4], list(range(20, 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[str, str]:
-    folder = tmp_path_factory.mktemp("mtp_engine")
-    gguf_path = tiny_model_paths(folder, "llama")[1]
-    head = write_head_file(folder / "head.safetensors", random_head_weights(TinySpec()))
-    return str(gguf_path), str(head)
+def tiny(tiny_mtp) -> tuple[str, str]:
+    return tiny_mtp
 
 
 async def make_engine(target: str, prefix_caching: bool = True, **spec) -> AsyncEngine:

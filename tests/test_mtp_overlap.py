@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 from test_engine import collect, make_engine, prompts
-from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file
+from test_overlap_scheduling import log_launches
 
 from cupyspec.engine import AsyncEngine
 from cupyspec.sampling.params import SamplingParams
@@ -17,11 +17,8 @@ from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[str, str]:
-    folder = tmp_path_factory.mktemp("mtp_overlap")
-    gguf_path = tiny_model_paths(folder, "llama")[1]
-    head = write_head_file(folder / "head.safetensors", random_head_weights(TinySpec()))
-    return str(gguf_path), str(head)
+def tiny(tiny_mtp) -> tuple[str, str]:
+    return tiny_mtp
 
 
 async def mtp_engine(tiny: tuple[str, str], overlap: bool, policy: str = "normal",
@@ -33,22 +30,13 @@ async def mtp_engine(tiny: tuple[str, str], overlap: bool, policy: str = "normal
                                     accept_policy=policy, cost_aware_backoff=False, min_acceptance_rate=0.0)
     engine = await make_engine(model, kv_blocks=kv_blocks, overlap_scheduling=overlap, speculative=speculative,
                                max_num_batched_tokens=max_num_batched_tokens)
-    engine.overlapped_verifying = 0
-    uncollected: set[int] = set()
-    launch, collect_step = engine.runner.launch, engine.runner.collect
-
-    def counting_launch(inputs):
-        engine.overlapped_verifying += bool(uncollected) and bool(inputs.num_drafts.any())
-        launched = launch(inputs)
-        uncollected.add(id(launched.inputs))
-        return launched
-
-    def counting_collect(launched, *args):
-        uncollected.discard(id(launched.inputs))
-        return collect_step(launched, *args)
-
-    engine.runner.launch, engine.runner.collect = counting_launch, counting_collect
+    engine.launches = log_launches(engine)
     return engine
+
+
+def overlapped_verifying(engine: AsyncEngine) -> int:
+    """Steps that verify drafts, launched while the step before was uncollected."""
+    return sum(overlapped and bool(inputs.num_drafts.any()) for overlapped, inputs in engine.launches)
 
 
 def greedy(max_tokens: int, **more) -> SamplingParams:
@@ -84,7 +72,7 @@ def test_overlapped_verifying_steps_give_the_outputs_of_a_step_at_a_time(tiny, p
                         (p[4], greedy(40, stop_token_ids=(stop,))), (p[5], greedy(17)), (p[6], greedy(1))]
             results[overlap] = await run_all(engine, requests)
             engine.scheduler.check_invariants()
-            counts[overlap] = engine.overlapped_verifying, engine.stats().num_used_kv_blocks
+            counts[overlap] = overlapped_verifying(engine), engine.stats().num_used_kv_blocks
             await engine.shutdown()
         return results, counts
 
@@ -107,7 +95,7 @@ def test_a_request_verified_on_the_host_holds_verifying_steps_back_while_it_live
         for overlap in (False, True):
             engine = await mtp_engine(tiny, overlap)
             results[overlap] = await run_all(engine, requests)
-            counts[overlap] = engine.overlapped_verifying, engine.stats().num_used_kv_blocks
+            counts[overlap] = overlapped_verifying(engine), engine.stats().num_used_kv_blocks
             await engine.shutdown()
         return results, counts
 
@@ -130,7 +118,7 @@ def test_preemption_under_overlapped_verifying_steps_keeps_outputs_and_frees_blo
         stats = small.stats()
         small.scheduler.check_invariants()
         await small.shutdown()
-        return want, got, small.scheduler.num_preemptions, small.overlapped_verifying, stats
+        return want, got, small.scheduler.num_preemptions, overlapped_verifying(small), stats
 
     want, got, preemptions, overlapped, stats = asyncio.run(main())
     assert preemptions > 0 and overlapped > 0

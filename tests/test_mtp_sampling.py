@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from test_mtp_engine import make_engine, run
 from test_verify import TRIALS, VOCAB, chi_square_passes, reference_probs
-from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file
 
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
@@ -96,11 +95,8 @@ def test_drafts_are_drawn_from_their_own_distribution() -> None:
 # ---------------------------------------------------------------- through the engine
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[str, str]:
-    folder = tmp_path_factory.mktemp("mtp_sampling")
-    gguf_path = tiny_model_paths(folder, "llama")[1]
-    head = write_head_file(folder / "head.safetensors", random_head_weights(TinySpec()))
-    return str(gguf_path), str(head)
+def tiny(tiny_mtp) -> tuple[str, str]:
+    return tiny_mtp
 
 
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, ignore_eos=True)

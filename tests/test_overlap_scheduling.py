@@ -5,6 +5,7 @@ the one before it is uncollected)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,24 +31,37 @@ async def make_engine(path: str, overlap: bool, kv_blocks: int | None = None,
     the drafts verified."""
     engine = await make_tiny_engine(path, kv_blocks=kv_blocks, overlap_scheduling=overlap, speculative=speculative,
                                     max_num_batched_tokens=16)
-    engine.overlapped_steps = 0  # steps launched while the step before was still uncollected
-    engine.verified_drafts = 0
-    uncollected: set[int] = set()  # launched steps not collected yet
+    engine.launches = log_launches(engine)
+    return engine
+
+
+def overlapped_steps(engine: AsyncEngine) -> int:
+    """Steps launched while the step before was uncollected."""
+    return sum(overlapped for overlapped, _ in engine.launches)
+
+
+def verified_drafts(engine: AsyncEngine) -> int:
+    return sum(int(inputs.num_drafts.sum()) for _, inputs in engine.launches)
+
+
+def log_launches(engine: AsyncEngine) -> list[tuple[bool, Any]]:
+    """The engine's launched steps from now on: (launched while a step before was uncollected, its
+    StepInputs)."""
+    log, uncollected = [], set()  # the ids of launched steps' inputs, not collected yet
     launch, collect = engine.runner.launch, engine.runner.collect
 
-    def counting_launch(inputs):
-        engine.overlapped_steps += bool(uncollected)
-        engine.verified_drafts += int(inputs.num_drafts.sum())
+    def logging_launch(inputs):
+        log.append((bool(uncollected), inputs))
         launched = launch(inputs)
         uncollected.add(id(launched.inputs))
         return launched
 
-    def counting_collect(launched, *args):
+    def logging_collect(launched, *args):
         uncollected.discard(id(launched.inputs))
         return collect(launched, *args)
 
-    engine.runner.launch, engine.runner.collect = counting_launch, counting_collect
-    return engine
+    engine.runner.launch, engine.runner.collect = logging_launch, logging_collect
+    return log
 
 
 def workload(stop_token: int) -> list[tuple[list[int], SamplingParams]]:
@@ -109,7 +123,7 @@ def test_overlap_gives_the_outputs_of_a_step_at_a_time(tiny_gguf):
                                                                             ignore_eos=True))
             stop_token = greedy["tokens"][0][5]  # the sixth token of the first request stops the sixth
             results[overlap] = await run_workload(engine, workload(stop_token))
-            overlapped[overlap], used[overlap] = engine.overlapped_steps, engine.stats().num_used_kv_blocks
+            overlapped[overlap], used[overlap] = overlapped_steps(engine), engine.stats().num_used_kv_blocks
             engine.scheduler.check_invariants()
             await engine.shutdown()
         return results, overlapped, used
@@ -136,7 +150,7 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
             engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
             engine.drafter.step_cost.fit = lambda sequences, cost=cost: cost
             got[name] = await run_workload(engine, workload(stop_token))
-            counts[name] = engine.overlapped_steps, engine.verified_drafts, engine.stats().num_used_kv_blocks
+            counts[name] = overlapped_steps(engine), verified_drafts(engine), engine.stats().num_used_kv_blocks
             await engine.shutdown()
         return want, got, counts
 
@@ -161,7 +175,7 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
         engine.drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
         await run_workload(engine, [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
                                     for p in prompts(6, 3)])
-        verified, accepted = engine.verified_drafts, engine.metrics.spec_accepted.value()
+        verified, accepted = verified_drafts(engine), engine.metrics.spec_accepted.value()
         await engine.shutdown()
         return shapes, verified, accepted
 
@@ -210,7 +224,7 @@ def test_a_penalized_request_takes_its_steps_one_at_a_time(tiny_gguf):
         for overlap in (False, True):
             engine = await make_engine(tiny_gguf, overlap)
             results[overlap] = await run_workload(engine, [(prompts(2, 5)[0], plain), (prompts(2, 5)[1], penalized)])
-            counts[overlap] = engine.overlapped_steps, engine.outputs.num_penalized
+            counts[overlap] = overlapped_steps(engine), engine.outputs.num_penalized
             await engine.shutdown()
         return results, counts
 
@@ -241,7 +255,7 @@ def test_preemption_and_aborts_under_overlap_keep_outputs_and_free_blocks(tiny_g
             await asyncio.sleep(0.01)
         stats = small.stats()
         await small.shutdown()
-        return want, got, small.scheduler.num_preemptions, small.overlapped_steps, finals, stats
+        return want, got, small.scheduler.num_preemptions, overlapped_steps(small), finals, stats
 
     want, got, preemptions, overlapped, finals, stats = asyncio.run(main())
     assert preemptions > 0 and overlapped > 0
@@ -292,7 +306,7 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
         engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
         got = await run_workload(engine, workload(stop_token))
-        counts = engine.overlapped_steps, engine.verified_drafts, engine.stats().num_used_kv_blocks
+        counts = overlapped_steps(engine), verified_drafts(engine), engine.stats().num_used_kv_blocks
         await engine.shutdown()
         return want, got, counts
 

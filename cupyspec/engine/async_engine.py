@@ -232,43 +232,24 @@ class AsyncEngine:
     # ---------------------------------------------------------------- the loop
 
     async def _run_loop(self) -> None:
-        """Each turn: schedule and launch a step, then finish the step before it (`pending`), whose
-        outputs are detokenized and delivered while the new one runs on the device. With overlap
-        scheduling a step that verifies no drafts is launched before the host has the pending step's
-        tokens, which the device feeds to it (runner.py); any other step waits for them first: the
-        proposers read every token on the host."""
+        """Each turn schedules and launches a step, then finishes the step before it (`pending`): its
+        outputs are detokenized and delivered while the new step runs on the device. With overlap
+        scheduling a step is formed before the host has the pending step's tokens, which the device
+        feeds to it (runner.py), unless it verifies drafts that a host-side proposer made (those read
+        every token on the host); an MTP head's drafts stay on the device (`_drafts_on_device`)."""
         steps = InlineSteps() if self.backend.is_cuda else StepThread("cupyspec-step")
         mark = time.perf_counter()  # when the last step was launched (or the loop woke up)
         pending: PendingStep | None = None  # launched, its outputs not yet delivered
         try:
             while True:
-                if self._aborts:
-                    pending = self._deliver_placed(pending)
-                while self._aborts:
-                    self.outputs.abort(self._aborts.pop())
-                overlap = self._can_overlap()
-                if _in_flight(pending) and not (overlap and self.scheduler.has_work):
-                    await self._finish(steps, pending)
-                    pending = None
+                pending = await self._settle(steps, pending)
                 if not self.scheduler.has_work:
-                    pending = self._deliver_placed(pending)
                     if self._closed:
                         return
                     await self._idle()
                     mark = time.perf_counter()
                     continue
-                limits = self.drafter.plan(self.scheduler.running) if self.drafter is not None else {}
-                drafts_on_device = self._drafts_on_device()
-                if any(limits.values()) and _in_flight(pending) and not drafts_on_device:  # the plan stands
-                    await self._finish(steps, pending)
-                    pending = None
-                    overlap = self._can_overlap()  # requests may have come meanwhile
-                if self.drafter is not None:
-                    self.drafter.propose(self.scheduler.running, limits)
-                sched = self.scheduler.schedule()
-                if sched.finished or not sched.scheduled:
-                    pending = self._deliver_placed(pending)
-                self.outputs.finish_ended_by_scheduler(sched.finished)
+                sched, pending = await self._schedule(steps, pending)
                 if not sched.scheduled:  # every running sequence waits for its last token
                     if pending is None:
                         await asyncio.sleep(0)
@@ -276,30 +257,10 @@ class AsyncEngine:
                         await self._finish(steps, pending)
                         pending = None
                     continue
-                inputs = self.runner.prepare(sched)
-                drafting = int(np.count_nonzero(inputs.num_drafts))  # sequences whose drafts the step verifies
-                held = overlap and (not drafting or drafts_on_device)
-                refilled = held and not _in_flight(pending)  # no step ran before it on the device
-                launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
-                self.scheduler.on_launched(sched)
-                if held:
-                    self._hold_places(sched, inputs)
-                pending = self._deliver_placed(pending)  # meanwhile, the outputs of the step before
-                if self.drafter is not None:
-                    self.drafter.learn_step_costs()  # ... and the step costs observed
-                step = PendingStep(sched, await launching, held)
-                if pending is not None:
-                    await self._finish(steps, pending)
-                pending, kept = step, 0
-                if not held:  # the next step is formed from its tokens
-                    pending = await self._place(steps, step)
-                    if drafting:
-                        kept = sum(map(sum, (out.accepted for out in step.outputs)))
+                pending, shape = await self._launch(steps, sched, pending)
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    shape = StepShape(sched.num_tokens, drafting, int(inputs.num_drafts.sum()), refilled, kept,
-                                      len(sched.scheduled))
                     self.drafter.observe_step(shape, now - mark)
                     mark = now
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
@@ -308,6 +269,61 @@ class AsyncEngine:
             self.outputs.fail_all(EngineClosedError(f"the engine failed: {exc}"))
         finally:
             steps.close()
+
+    async def _settle(self, steps: InlineSteps | StepThread, pending: PendingStep | None) -> PendingStep | None:
+        """Before a step is formed: aborts applied (a placed step delivered first), and the pending step
+        finished unless a step may overlap it; with nothing to run, every output delivered."""
+        if self._aborts:
+            pending = self._deliver_placed(pending)
+        while self._aborts:
+            self.outputs.abort(self._aborts.pop())
+        if _in_flight(pending) and not (self._can_overlap() and self.scheduler.has_work):
+            await self._finish(steps, pending)
+            pending = None
+        return pending if self.scheduler.has_work else self._deliver_placed(pending)
+
+    async def _schedule(self, steps: InlineSteps | StepThread,
+                        pending: PendingStep | None) -> tuple[SchedulerOutput, PendingStep | None]:
+        """Plan and propose drafts, then schedule: the step's batch, and what is still pending. Drafts
+        that a host-side proposer makes need the pending step's tokens: it is finished first (the
+        plan stands)."""
+        limits = self.drafter.plan(self.scheduler.running) if self.drafter is not None else {}
+        if any(limits.values()) and _in_flight(pending) and not self._drafts_on_device():
+            await self._finish(steps, pending)
+            pending = None
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, limits)
+        sched = self.scheduler.schedule()
+        if sched.finished or not sched.scheduled:
+            pending = self._deliver_placed(pending)
+        self.outputs.finish_ended_by_scheduler(sched.finished)
+        return sched, pending
+
+    async def _launch(self, steps: InlineSteps | StepThread, sched: SchedulerOutput,
+                      pending: PendingStep | None) -> tuple[PendingStep | None, StepShape]:
+        """Launch the step, deliver the outputs of the one before meanwhile, then take the new step's
+        tokens if the next step needs them on the host. Returns what is pending, and the step's shape."""
+        inputs = self.runner.prepare(sched)
+        drafting = int(np.count_nonzero(inputs.num_drafts))  # sequences whose drafts the step verifies
+        held = self._can_overlap() and (not drafting or self._drafts_on_device())
+        refilled = held and not _in_flight(pending)  # no step ran before it on the device
+        launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
+        self.scheduler.on_launched(sched)
+        if held:
+            self._hold_places(sched, inputs)
+        pending = self._deliver_placed(pending)  # meanwhile, the outputs of the step before
+        if self.drafter is not None:
+            self.drafter.learn_step_costs()  # ... and the step costs observed
+        step = PendingStep(sched, await launching, held)
+        if pending is not None:
+            await self._finish(steps, pending)
+        kept, placed = 0, step
+        if not held:  # the next step is formed from its tokens
+            placed = await self._place(steps, step)
+            if drafting:
+                kept = sum(map(sum, (out.accepted for out in step.outputs)))
+        return placed, StepShape(sched.num_tokens, drafting, int(inputs.num_drafts.sum()), refilled, kept,
+                               len(sched.scheduled))
 
     async def _place(self, steps: InlineSteps | StepThread, step: PendingStep) -> PendingStep | None:
         """Collect a step that was not overlapped and put its tokens in its sequences ahead of their
