@@ -1,5 +1,6 @@
 """The default model: greedy output with speculation equals greedy output without it, token for token,
-on the golden prompts and 20 HumanEval code-rewrite prompts, while sampled requests share the batch."""
+on the golden prompts and 20 HumanEval code-rewrite prompts, while sampled requests share the batch;
+MTP with the head that ships for the model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from golden import GOLDEN_PROMPTS
 
 from cupyspec.config import EngineConfig
 from cupyspec.engine import AsyncEngine
+from cupyspec.loader import DEFAULT_MODEL
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
 
@@ -52,16 +54,27 @@ def baseline(default_model_path, prompts) -> list[list[int]]:
     return asyncio.run(main())
 
 
+SETTINGS = {  # name -> (speculative config, per-request drafts to try)
+    "ngram": (SpeculativeConfig(method="ngram", num_speculative_tokens=5, cost_aware_backoff=False), (1, 3, 5)),
+    "suffix": (SpeculativeConfig(method="suffix", num_speculative_tokens=5, cost_aware_backoff=False), (1, 3, 5)),
+    "naive": (SpeculativeConfig(method="naive", cost_aware_backoff=False), (None,)),
+    "mtp": (SpeculativeConfig(method="mtp", num_speculative_tokens=3, num_model_steps=3, cost_aware_backoff=False),
+            (1, 3)),
+    "mtp with_ngram": (SpeculativeConfig(method="mtp", num_speculative_tokens=5, num_model_steps=3,
+                                         mtp_strategy="with_ngram", cost_aware_backoff=False), (2, 5)),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "suffix", "naive"])
+@pytest.mark.parametrize("method", SETTINGS)
 def test_speculation_keeps_greedy_outputs_of_the_default_model(default_model_path, prompts, baseline, method):
-    config = EngineConfig(model=default_model_path, device="cpu",
-                          speculative=SpeculativeConfig(method=method, num_speculative_tokens=5, cost_aware_backoff=False))
+    speculative, ks = SETTINGS[method]
+    # by its name (resolved as default_model_path is), so that MTP takes the head shipped for it
+    config = EngineConfig(model=DEFAULT_MODEL, device="cpu", speculative=speculative)
 
     async def main():
         engine = await AsyncEngine.create(config)
         try:
-            ks = (None,) if method == "naive" else (1, 3, 5)
             return {k: await _answers(engine, prompts, k) for k in ks}
         finally:
             await engine.shutdown()
@@ -69,6 +82,6 @@ def test_speculation_keeps_greedy_outputs_of_the_default_model(default_model_pat
     for k, (outputs, metrics) in asyncio.run(main()).items():
         for i, (got, want) in enumerate(zip(outputs, baseline)):
             assert got == want, (method, k, prompts[i][:60])
-        if method != "naive":
+        if speculative.method != "naive":
             accepted = sum(m.num_accepted_tokens for m in metrics)
             assert accepted > 0, (method, k)
