@@ -120,7 +120,7 @@ def test_graphed_mtp_steps_draft_and_emit_as_eager_ones(default_model_path, head
 def test_the_draft_sampler_on_the_gpu_matches_its_numpy_twin():
     import cupy
 
-    from cupyspec.spec_decode.proposers.mtp import DraftSampling, _draw
+    from cupyspec.spec_decode.proposers.mtp import DraftSampling, draw_drafts
 
     rng = np.random.default_rng(11)
     rows, vocab = 24, 49152
@@ -133,7 +133,7 @@ def test_the_draft_sampler_on_the_gpu_matches_its_numpy_twin():
     results = []
     for xp in (np, cupy):
         picks, lps = xp.zeros(rows, np.int64), xp.zeros(rows, np.float32)
-        q = _draw(xp, xp.asarray(logits), xp.asarray(positions), sampling, picks, lps)
+        q = draw_drafts(xp, xp.asarray(logits), xp.asarray(positions), sampling, picks, lps)
         results.append([cupy.asnumpy(a) for a in (picks, lps, q)])
     (cpu_picks, cpu_lps, cpu_q), (gpu_picks, gpu_lps, gpu_q) = results
     np.testing.assert_array_equal(gpu_picks, cpu_picks)

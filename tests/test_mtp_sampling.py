@@ -16,7 +16,7 @@ from test_verify import TRIALS, VOCAB, chi_square_passes, reference_probs
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow
 from cupyspec.sampling.uniforms import ACCEPT_STREAM, SAMPLE_STREAM, counter_uniforms
-from cupyspec.spec_decode.proposers.mtp import DraftSampling, _draw
+from cupyspec.spec_decode.proposers.mtp import DraftSampling, draw_drafts
 from cupyspec.spec_decode.verification.verify import VerifyInput, draft_distributions, verify
 
 TARGET = SamplingParams(temperature=1.0, top_p=0.8, top_k=5)
@@ -31,7 +31,7 @@ def draft_and_verify(head_logits: np.ndarray, with_q: bool, keys: np.ndarray) ->
     logits = np.tile(head_logits, (n, 1)).astype(np.float32)  # [N, V]
     positions = np.full(n, 7, dtype=np.int64)  # the draft's position: every sequence's seventh token
     picks, model_logprobs = np.zeros(n, np.int64), np.zeros(n, np.float32)
-    q = _draw(np, logits, positions, DraftSampling(np.arange(n), (TARGET,) * n, keys), picks, model_logprobs)
+    q = draw_drafts(np, logits, positions, DraftSampling(np.arange(n), (TARGET,) * n, keys), picks, model_logprobs)
     drafts, num_drafts = picks[:, None], np.ones(n, np.int64)
     draft_probs = draft_distributions(np, drafts, num_drafts, list(q[:, None]) if with_q else [None] * n, VOCAB)
     rows_positions = np.repeat(positions, 2) + np.tile([0, 1], n)  # the draft's row, then the bonus row
@@ -65,8 +65,8 @@ def test_a_verifier_that_corrects_without_q_is_caught() -> None:
     p = reference_probs(TARGET_LOGITS[None], TARGET)[0]
     n = len(keys)
     picks, lps = np.zeros(n, np.int64), np.zeros(n, np.float32)
-    q = _draw(np, np.tile(head, (n, 1)).astype(np.float32), np.full(n, 7), DraftSampling(np.arange(n), (TARGET,) * n,
-                                                                                          keys), picks, lps)
+    sampling = DraftSampling(np.arange(n), (TARGET,) * n, keys)
+    q = draw_drafts(np, np.tile(head, (n, 1)).astype(np.float32), np.full(n, 7), sampling, picks, lps)
     u_accept = counter_uniforms(keys, np.full(n, 7), ACCEPT_STREAM)
     accepted = u_accept * q[np.arange(n), picks] < p[picks]
     residual = np.tile(p, (n, 1))
@@ -84,7 +84,8 @@ def test_drafts_are_drawn_from_their_own_distribution() -> None:
     n = TRIALS
     keys = np.random.default_rng(5).integers(0, 2**63, n).astype(np.uint64)
     picks, lps = np.zeros(n, np.int64), np.zeros(n, np.float32)
-    q = _draw(np, np.tile(head, (n, 1)), np.arange(n), DraftSampling(np.arange(n), (TARGET,) * n, keys), picks, lps)
+    sampling = DraftSampling(np.arange(n), (TARGET,) * n, keys)
+    q = draw_drafts(np, np.tile(head, (n, 1)), np.arange(n), sampling, picks, lps)
     want = reference_probs(head[None], TARGET)[0]
     np.testing.assert_allclose(q, np.tile(want, (n, 1)), atol=1e-6)
     assert chi_square_passes(picks, want)

@@ -92,7 +92,8 @@ class MTPDrafting:
             logits = self.head.logits(hidden)  # [S, V]
             picks, logprob = argmax_logprobs(xp, logits)  # [S], [S]
             if sampling is not None:
-                probs.append(_draw(xp, logits, at[step] + 2, sampling, picks, logprob))  # the draft's position
+                draft_positions = at[step] + 2  # a head step at p predicts the token at p + 2
+                probs.append(draw_drafts(xp, logits, draft_positions, sampling, picks, logprob))
             tokens = picks.astype(np.int32)
             drafts.append(tokens)
             logprobs.append(logprob)
@@ -107,7 +108,8 @@ class MTPDrafting:
                           batch.previous_tokens, kv, sampling)
 
 
-def _draw(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, picks: Any, logprobs: Any) -> Any:
+def draw_drafts(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, picks: Any,
+                logprobs: Any) -> Any:
     """Draw the drafts of the sampling rows from q, the head's logits [S, V] under their requests'
     parameters, with the draw of each draft's position [S]: into picks [S] (int64) and their head
     logprobs into logprobs [S]; returns q [Sd, V] f32 in token order."""
