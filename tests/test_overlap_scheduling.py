@@ -192,13 +192,13 @@ def test_the_engine_learns_step_costs_while_the_next_step_runs(tiny_gguf, monkey
     """Judging an observed step (which solves a cost fit now and then) waits until the next step is
     launched: it stays out of the host's gap between a drafting step and the next. Steps launch on
     the event loop, as on a GPU (worker.InlineSteps)."""
-    import cupyspec.engine.async_engine as engine_module
+    import cupyspec.engine.step_loop as step_loop
     from cupyspec.engine.worker import InlineSteps
 
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
     async def main():
-        monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
+        monkeypatch.setattr(step_loop, "StepThread", lambda name: InlineSteps())
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
         events, launch, learn = [], engine.runner.launch, engine.drafter.learn_step_costs
         engine.runner.launch = lambda inputs: (events.append("launch"), launch(inputs))[1]
@@ -295,14 +295,14 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
     """On a GPU the loop launches steps itself and polls for their results (worker.InlineSteps);
     here the CPU engine is made to do the same. Plain and speculative steps, overlapped or not,
     give the outputs of plain decoding on the step thread, one step at a time."""
-    import cupyspec.engine.async_engine as engine_module
+    import cupyspec.engine.step_loop as step_loop
     from cupyspec.engine.worker import InlineSteps
 
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_strategy="target_match")
 
     async def main():
         stop_token, want = await plain_workload(tiny_gguf)
-        monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
+        monkeypatch.setattr(step_loop, "StepThread", lambda name: InlineSteps())
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
         engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
         got = await run_workload(engine, workload(stop_token))
@@ -318,11 +318,11 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
 def test_steps_on_the_event_loop_let_other_tasks_run_at_every_step(tiny_gguf, monkeypatch):
     """Even when every step's results are ready at once (a host-bound engine), the loop runs its other
     tasks between steps: a ticker advances about once a step while a request generates."""
-    import cupyspec.engine.async_engine as engine_module
+    import cupyspec.engine.step_loop as step_loop
     from cupyspec.engine.worker import InlineSteps
 
     async def main():
-        monkeypatch.setattr(engine_module, "StepThread", lambda name: InlineSteps())
+        monkeypatch.setattr(step_loop, "StepThread", lambda name: InlineSteps())
         engine = await make_engine(tiny_gguf, overlap=True)
         ticks, generating = [0], [True]
 
