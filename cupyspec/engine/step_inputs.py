@@ -131,7 +131,7 @@ def _drafts_array(draft_lists: list[list[int]]) -> np.ndarray:
 def _draft_logprobs(proposals: list[Drafts | None], max_drafts: int) -> np.ndarray | None:
     """[S, K] f32: the draft model's logprob of each draft, NaN where there is none; None when no
     sequence has any."""
-    if all(p is None or p.logprobs is None for p in proposals):
+    if all(p.logprobs is None for p in proposals if p is not None):
         return None
     out = np.full((len(proposals), max_drafts), np.nan, dtype=np.float32)
     for s, proposal in enumerate(proposals):
@@ -184,6 +184,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int,
         row += n + len(drafts)
     accept_uniforms = targets.draw_uniforms()
     drafts = _drafts_array(targets.drafts)
+    proposed = any(p is not None for p in targets.proposals)  # a draft model made some drafts
     shift_from = None
     if shifted:
         shift_from = np.full(len(token_ids), -1, dtype=np.int32)
@@ -204,8 +205,8 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int,
         prompt_rows=np.array(prompt.rows, dtype=np.int64),
         prompt_targets=np.array(prompt.targets, dtype=np.int64),
         prompt_owner=tuple(prompt.owner),
-        draft_probs=tuple(p.probs if p is not None else None for p in targets.proposals),
-        draft_logprobs=_draft_logprobs(targets.proposals, drafts.shape[1]),
+        draft_probs=tuple(p.probs if p is not None else None for p in targets.proposals) if proposed else (),
+        draft_logprobs=_draft_logprobs(targets.proposals, drafts.shape[1]) if proposed else None,
         seq_ids=tuple(sched.scheduled[i].seq.seq_id for i in targets.owners) if for_mtp else (),
         next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
         draft_sampling=_draft_sampling(targets) if for_mtp else None,

@@ -122,7 +122,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_tokens + seq.num_held_drafts >= min(seq.max_total_tokens, self.max_model_len):
+            if seq.num_tokens + seq.num_held_drafts >= seq.max_total_tokens:
                 i += 1  # its last tokens are still on the device, and may be its last ones
                 continue
             item = self._try_schedule(seq, budget)

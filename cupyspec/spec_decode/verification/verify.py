@@ -191,7 +191,7 @@ def verify_on_device(xp: Any, target_logits: Any, inp: VerifyInput, strategy: st
         packed = greedy_runs(xp, penalized_logits(xp, logits, inp.rows), inp.draft_token_ids, inp.num_drafts,
                              inp.device_tokens, accept_policy)  # [2B + B*K]
         runs = packed[:2 * batch].reshape(2, batch)
-        return DeviceVerdict(runs, packed if drafts.size and drafts.min() < 0 else None)
+        return DeviceVerdict(runs, packed if drafts.min() < 0 else None)
     if drafts.size and drafts.min() < 0:
         raise ValueError("drafts still on the device verify on greedy rows only")
     verdict = _verify_on_host_drafts(xp, logits, inp, strategy, accept_policy)
