@@ -238,3 +238,36 @@ def test_an_exploring_step_verifies_a_sequence_whatever_its_acceptance():
             break
     assert plans[0] == 0
     assert plans[-1] == 3  # every draft it may ask for
+
+
+class DraftingAhead(ConstantProposer):
+    """Stands for an MTP head: its drafts come from the step before."""
+
+    drafts_ahead = True
+
+
+def test_a_head_drafts_only_while_the_plan_drafts_and_is_primed_before_an_exploring_step():
+    """A proposer that drafts ahead (an MTP head) runs in a step only when that step's plan drafts
+    anyone, so where drafting does not pay the head costs nothing. An exploring step after steps in
+    which it did not run comes twice: the first primes the head (the step before made no drafts for
+    it), the second verifies and is the one priced."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), DraftingAhead())
+    drafter.step_cost.fit = lambda sequences: HOPELESS
+    seqs = _candidates()
+    added = HOPELESS.drafting_seconds(3 * EXPLORE_SEQS, EXPLORE_SEQS)
+    plans, ahead, priced = [], [], []
+    for _ in range(3 * int(EXPLORE_STEPS * (1 + added / 1e-3))):
+        drafter._budget = 1.0
+        plans.append(drafter.plan(seqs))
+        drafter.propose(seqs, plans[-1])
+        ahead.append(drafter.drafts_ahead)
+        priced.append(drafter._exploring_step)
+        priming = ahead[-1] and (len(ahead) < 2 or not ahead[-2])
+        drafting = 0 if priming else sum(k > 0 for k in plans[-1].values())
+        drafter.observe_step(StepShape(len(seqs), drafting, sequences=len(seqs), priming=priming), 1e-3)
+    assert ahead == [any(plan.values()) for plan in plans]
+    exploring = _exploring_steps(plans)
+    assert len(exploring) >= 4 and len(exploring) % 2 == 0
+    for first, second in zip(exploring[::2], exploring[1::2]):
+        assert second == first + 1 and plans[second] == plans[first]
+        assert not ahead[first - 1] and not priced[first] and priced[second]

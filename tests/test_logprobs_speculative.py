@@ -72,8 +72,8 @@ def record_verified_drafts(engine: AsyncEngine) -> dict[str, list[int]]:
     drafts: dict[str, list[int]] = defaultdict(list)
     prepare = engine.runner.prepare
 
-    def recording(sched):  # noqa: ANN001, ANN202
-        inputs = prepare(sched)
+    def recording(sched, *args):  # noqa: ANN001, ANN002, ANN202
+        inputs = prepare(sched, *args)
         for s, i in enumerate(inputs.owners):
             drafts[sched.scheduled[i].seq.request_id] += inputs.drafts[s, :inputs.num_drafts[s]].tolist()
         return inputs

@@ -78,12 +78,12 @@ def record_drafts(engine: AsyncEngine) -> list[tuple[int, int, list[int]]]:
 
     def recording(launched, *args):
         outputs = collect(launched, *args)
-        if launched.mtp_drafts is not None:
-            inputs, drafts = launched.inputs, launched.mtp_drafts.result()[0]
-            prompts = {seq.seq_id: seq.num_prompt_tokens for seq in engine.scheduler.running}
-            for s, (seq_id, i) in enumerate(zip(inputs.seq_ids, inputs.owners)):
-                lengths[seq_id] = lengths.get(seq_id, prompts.get(seq_id, 0)) + len(outputs[i].token_ids)
-                records.append((seq_id, lengths[seq_id], drafts[s].tolist()))
+        inputs = launched.inputs
+        prompts = {seq.seq_id: seq.num_prompt_tokens for seq in engine.scheduler.running}
+        for s, (seq_id, i) in enumerate(zip(inputs.seq_ids, inputs.owners)):
+            lengths[seq_id] = lengths.get(seq_id, prompts.get(seq_id, 0)) + len(outputs[i].token_ids)
+            if launched.mtp_drafts is not None:
+                records.append((seq_id, lengths[seq_id], launched.mtp_drafts.result()[0][s].tolist()))
         return outputs
 
     engine.runner.collect = recording
@@ -106,10 +106,21 @@ def reference_drafts(loaded, head: dict, tokens: list[int], steps: int) -> tuple
     return drafts, gap
 
 
-@pytest.mark.parametrize("policy", ["normal", "accept_all"])
-def test_the_heads_drafts_match_a_head_run_afresh_over_the_tokens(tiny, policy):
+def skip_drafting(engine: AsyncEngine, period: int) -> None:
+    """The head drafts in no step of every `period` (as where the back-off drafts nobody)."""
+    prepare, count = engine.runner.prepare, iter(range(1 << 30))
+
+    def skipping(sched, draft_ahead=True):
+        return prepare(sched, draft_ahead and next(count) % period != 0)
+
+    engine.runner.prepare = skipping
+
+
+@pytest.mark.parametrize("policy,skipped", [("normal", False), ("accept_all", False), ("normal", True)])
+def test_the_heads_drafts_match_a_head_run_afresh_over_the_tokens(tiny, policy, skipped):
     """Every step's drafts equal those of the head run from scratch over the sequence's tokens, so no
-    K/V that a rejected draft's row (or an earlier drafting step) left behind is read."""
+    K/V that a rejected draft's row (or an earlier drafting step) left behind is read; also where
+    the head skips steps, whose boundaries' K/V it still mends."""
     model, head_path = tiny
     steps = 3
 
@@ -117,6 +128,8 @@ def test_the_heads_drafts_match_a_head_run_afresh_over_the_tokens(tiny, policy):
         engine = await make_engine(model, method="mtp", model=head_path, num_model_steps=steps,
                                    num_speculative_tokens=steps, accept_policy=policy)
         records = record_drafts(engine)
+        if skipped:
+            skip_drafting(engine, 3)
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         results = await asyncio.gather(*(run(engine, p, params) for p in PROMPTS[:2]))
         await engine.shutdown()

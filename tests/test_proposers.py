@@ -393,10 +393,10 @@ def test_mtp_proposes_the_drafts_of_a_sequences_last_step_in_flight_or_collected
     mtp = MTPProposer()
     known, in_flight = np.array([5, 6, 7], np.int32), np.array([5, 6, 7, -9], np.int32)
     step_one, step_two = object(), object()
-    mtp.hold([3], [[-10, -11, -12]], step_one)
+    mtp.launched([3], step_one, True, [[-10, -11, -12]])
     assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0].token_ids.tolist() == [-10, -11, -12]
     assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])  # nothing collected yet
-    mtp.hold([3], [[-14, -15, -16]], step_two)  # launched before step one is collected
+    mtp.launched([3], step_two, True, [[-14, -15, -16]])  # launched before step one is collected
     mtp.remember([3], np.array([[40, 41, 42]], np.int32), np.full((1, 3), -0.5, np.float32), None, step_one)
     assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 2)])[0].token_ids.tolist() == [-14, -15]
     drafts = mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0]
@@ -404,6 +404,24 @@ def test_mtp_proposes_the_drafts_of_a_sequences_last_step_in_flight_or_collected
     mtp.remember([3], np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32), None, step_two)
     assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])  # nothing holds it any more
     assert mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0].token_ids.tolist() == [50, 51, 52]
+
+
+def test_mtp_has_no_drafts_for_a_sequence_whose_last_step_did_not_draft() -> None:
+    """A step in which the head does not draft (the back-off drafts nobody) leaves its sequences no
+    drafts: neither the placeholders nor the drafts of an earlier step, even one collected after it."""
+    mtp = MTPProposer()
+    known, in_flight = np.array([5, 6, 7], np.int32), np.array([5, 6, 7, -9], np.int32)
+    drafting, plain = object(), object()
+    mtp.launched([3], drafting, True, [[-10, -11, -12]])
+    mtp.launched([3], plain, False, [[-14, -15, -16]])  # overlapped, but no drafts on the device
+    mtp.remember([3], np.array([[40, 41, 42]], np.int32), np.zeros((1, 3), np.float32), None, drafting)
+    assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])
+    assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])
+    mtp.launched([3], drafting, True)  # not overlapped: its drafts come when it is collected
+    mtp.remember([3], np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32), None, drafting)
+    assert mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0].token_ids.tolist() == [50, 51, 52]
+    mtp.launched([3], plain, False)
+    assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])
 
 
 def test_with_ngram_takes_ngrams_drafts_where_the_text_copies_itself_else_the_heads_continued_by_ngram() -> None:

@@ -61,7 +61,7 @@ def test_the_warm_up_ends_with_a_prompt_prefilled_in_one_step(tiny_gguf, monkeyp
     async def main() -> float:
         engine = await AsyncEngine.create(EngineConfig(model=tiny_gguf, device="cpu", warm_up=False))
         prepare = engine.runner.prepare
-        engine.runner.prepare = lambda sched: rows.append(sched.num_tokens) or prepare(sched)
+        engine.runner.prepare = lambda sched, *args: rows.append(sched.num_tokens) or prepare(sched, *args)
         await engine.warm_up()
         arrived = engine.metrics.requests_arrived.value()
         await engine.shutdown()

@@ -114,8 +114,8 @@ async def main(args: argparse.Namespace) -> None:
     trace: list[tuple[float, int, float, bool, bool]] = []
     prepare, last_plan = engine.runner.prepare, [{}]
 
-    def traced_prepare(sched: Any) -> Any:
-        inputs = prepare(sched)
+    def traced_prepare(sched: Any, *args: Any) -> Any:
+        inputs = prepare(sched, *args)
         trace.append((time.perf_counter(), engine.scheduler.num_running, engine.metrics.generation_tokens.value(),
                       any(last_plan[0].values()), bool(inputs.num_drafts.any())))
         last_plan[0] = {}

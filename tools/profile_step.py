@@ -9,7 +9,8 @@ time Python needs to launch it). A phase whose host time exceeds its device time
 Verify steps also time verification, with and without logprobs, to the host (wall time).
 With --kernels, each step of one decoder layer is timed on its own from a CUDA graph. With an MTP
 head (--speculative-config '{"method": "mtp", ...}'), the forward graphs include its catch-up, and
-its drafting graph is timed too (`mtp_draft_*`: num_model_steps head steps from each sequence).
+its drafting graph is timed too (`mtp_draft_*`: num_model_steps head steps from each sequence);
+with --kernels, so is each part of a head step (`mtp_*_us`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from cupyspec.model.attention import paged_attention_cuda
 from cupyspec.model.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
 from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, rope_and_cache, swiglu
 from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
+from cupyspec.sampling.argmax import argmax_logprobs
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.sampler import SamplingRow, sample
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
@@ -103,7 +105,29 @@ def layer_kernels(engine: AsyncEngine, flat: FlatBatch, repeats: int) -> dict[st
             "gate_up": lambda: linear(xp, x, w.gate_up),
             "swiglu": lambda: swiglu(xp, gate_up),
         }
+    if runner.mtp is not None:
+        steps |= head_kernels(engine, batch, residual)
     return {f"{name}_us": graphed_us(xp, fn, repeats) for name, fn in steps.items()}
+
+
+def head_kernels(engine: AsyncEngine, batch: DeviceBatch, hidden: Any) -> dict[str, Callable[[], Any]]:
+    """What one MTP head step runs over the batch's rows, each part on its own: the head's input
+    rows, eh_proj, its decoder layer, the final norm with the LM head, and the argmax with its
+    logprob; then a whole head step."""
+    runner, xp = engine.runner, engine.backend.xp
+    head, kv = runner.mtp.head, runner.kv
+    rows = head._input_rows(hidden, batch)  # [T, 2H]
+    residual = head._input(hidden, batch)  # [T, H] fp32
+    logits = head.logits(residual)  # [T, V]
+    return {
+        "mtp_input": lambda: head._input_rows(hidden, batch),
+        "mtp_eh_proj": lambda: linear(xp, rows, head.eh_proj, np.float32),
+        "mtp_layer": lambda: head.target.run_layer(residual, head.layer, kv.k[head.kv_layer], kv.v[head.kv_layer],
+                                                   batch),
+        "mtp_norm_lm_head": lambda: head.logits(residual),
+        "mtp_argmax_logprob": lambda: argmax_logprobs(xp, logits),
+        "mtp_head_step": lambda: argmax_logprobs(xp, head.logits(head.step(hidden, batch, kv))),
+    }
 
 
 def verify_ms(engine: AsyncEngine, logits: Any, batch: int, num_drafts: int, repeats: int) -> dict[str, float]:

@@ -72,8 +72,8 @@ class ScriptedDevice:
         self._device_free = 0.0
         prepare = self.runner.prepare
 
-        def remembering_prepare(sched: SchedulerOutput) -> StepInputs:
-            inputs = prepare(sched)
+        def remembering_prepare(sched: SchedulerOutput, *args: bool) -> StepInputs:
+            inputs = prepare(sched, *args)
             self._scheds[id(inputs)] = sched
             return inputs
 

@@ -113,9 +113,10 @@ class ModelRunner:
         vocab = VocabJSON.build(TokenText(self.tokenizer), self.model.config.vocab_size)
         return LogprobRenderer(self.backend.xp, vocab)
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """The inputs of the step `sched` forms (step_inputs.py)."""
-        return prepare_inputs(sched, self.kv.block_size, self.tokens if self.mtp is not None else None)
+    def prepare(self, sched: SchedulerOutput, draft_ahead: bool = True) -> StepInputs:
+        """The inputs of the step `sched` forms (step_inputs.py); draft_ahead: an MTP head drafts in
+        it for the next step."""
+        return prepare_inputs(sched, self.kv.block_size, self.tokens if self.mtp is not None else None, draft_ahead)
 
     def launch(self, inputs: StepInputs) -> LaunchedStep:
         """Queue the forward pass, sampling or verification, logprobs, the MTP head's drafting and the
@@ -124,6 +125,9 @@ class ModelRunner:
             forward = self._forward(inputs)
             step = self._sample_or_verify(inputs, forward)
             if self.mtp is None or not inputs.owners:
+                return step
+            if not inputs.draft_ahead:
+                self._mend(inputs, forward)
                 return step
             drafted = self._draft(inputs, forward)
             return step._replace(mtp_drafts=HostTransfer(self.backend.xp, [drafted.tokens, drafted.logprobs]),
@@ -135,12 +139,24 @@ class ModelRunner:
         the drafts go there too."""
         if forward.static:
             return self.draft_graphs.run(inputs.first_rows, inputs.draft_sampling)
-        count = len(inputs.owners)
-        rows = to_device(self.backend.xp, inputs.first_rows) + self.tokens.accepted[:count]  # [S]
-        drafted = self.mtp.draft_from(forward.residual, forward.batch, rows, self.tokens.by_seq[:count, 0], self.kv,
-                                      inputs.draft_sampling)
+        drafted = self.mtp.draft_from(forward.residual, forward.batch, self._boundary_rows(inputs),
+                                      self.tokens.by_seq[:len(inputs.owners), 0], self.kv, inputs.draft_sampling)
         self.tokens.put_drafts(drafted.tokens)
         return drafted
+
+    def _mend(self, inputs: StepInputs, forward: _Forward) -> None:
+        """The head's K/V at each sampling sequence's last accepted row, with the token the step
+        emitted after it in place of the catch-up's guess: what drafting's first step writes, where
+        the head does not draft."""
+        if forward.static:
+            self.draft_graphs.mend(inputs.first_rows)
+        else:
+            self.mtp.mend_from(forward.residual, forward.batch, self._boundary_rows(inputs),
+                               self.tokens.by_seq[:len(inputs.owners), 0], self.kv)
+
+    def _boundary_rows(self, inputs: StepInputs) -> Any:
+        """[S] (device): each sampling sequence's last accepted row in an eager step."""
+        return to_device(self.backend.xp, inputs.first_rows) + self.tokens.accepted[:len(inputs.owners)]
 
     def _sample_or_verify(self, inputs: StepInputs, forward: _Forward) -> LaunchedStep:
         """Sampling or verification of the step's target rows, and their logprobs, queued."""

@@ -41,6 +41,7 @@ class StepInputs(NamedTuple):
     seq_ids: tuple[int, ...] = ()  # [S]: each sampling sequence's seq_id, for an MTP head
     next_token_ids: np.ndarray | None = None  # [T] int32: the token after each row, for an MTP head
     draft_sampling: DraftSampling | None = None  # the sampling sequences that draw an MTP head's drafts
+    draft_ahead: bool = False  # an MTP head drafts for the next step (else it only mends its K/V: runner.py)
     # [T] int32: for the rows of a sequence whose step in flight verifies drafts, its index there (its
     # accepted drafts move the rows' positions on: device_tokens.py); -1 elsewhere; None: no such row
     shift_from: np.ndarray | None = None
@@ -149,14 +150,15 @@ def _draft_sampling(targets: _TargetRows) -> DraftSampling | None:
                          np.array([targets.keys[s] for s in rows], dtype=np.uint64))
 
 
-def prepare_inputs(sched: SchedulerOutput, block_size: int,
-                   device_tokens: DeviceTokens | None = None) -> StepInputs:
+def prepare_inputs(sched: SchedulerOutput, block_size: int, device_tokens: DeviceTokens | None = None,
+                   draft_ahead: bool = True) -> StepInputs:
     """The flat batch of the scheduled segments (each a prefill chunk, one token, or [last token,
     d1..dk]), the rows that pick or verify tokens with their sampling rows and random draws, and the
     rows that score prompt tokens for prompt logprobs. With an MTP head (device_tokens: where the step
     before left its tokens and drafts) also what the head reads, the sampling sequences' ids and the
     token after each row where the host knows it (a segment's next one; 0 after a sampling segment's
-    last row), and the rows whose positions move on by the drafts a step in flight accepts."""
+    last row), and the rows whose positions move on by the drafts a step in flight accepts; and
+    whether the head drafts for the next step (`draft_ahead`)."""
     for_mtp = device_tokens is not None
     token_ids: list[int] = []
     next_token_ids: list[int] = []
@@ -209,6 +211,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int,
         draft_logprobs=_draft_logprobs(targets.proposals, drafts.shape[1]) if proposed else None,
         seq_ids=tuple(sched.scheduled[i].seq.seq_id for i in targets.owners) if for_mtp else (),
         next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
-        draft_sampling=_draft_sampling(targets) if for_mtp else None,
+        draft_sampling=_draft_sampling(targets) if for_mtp and draft_ahead else None,
+        draft_ahead=for_mtp and draft_ahead,
         shift_from=shift_from,
     )

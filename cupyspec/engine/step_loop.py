@@ -148,14 +148,17 @@ class StepLoop:
                       pending: PendingStep | None) -> tuple[PendingStep | None, StepShape]:
         """Launch the step, deliver the outputs of the one before meanwhile, then take the new step's
         tokens if the next step needs them on the host. Returns what is pending, and the step's shape."""
-        inputs = self.runner.prepare(sched)
+        inputs = self.runner.prepare(sched, self.drafter is None or self.drafter.drafts_ahead)
         drafting = int(np.count_nonzero(inputs.num_drafts))  # sequences whose drafts the step verifies
         held = self._can_overlap() and (not drafting or self._drafts_on_device())
         refilled = held and not _in_flight(pending)  # no step ran before it on the device
         launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
         self.scheduler.on_launched(sched)
         if held:
-            self._hold_places(sched, inputs)
+            self.outputs.hold_places(sched, inputs.owners, [self.runner.tokens.emitted(s) for s in range(len(inputs.owners))],
+                                     inputs.num_drafts.tolist())
+        if self.runner.mtp is not None:
+            self._launched_mtp(inputs, held)
         pending = self._deliver_placed(pending)  # meanwhile, the outputs of the step before
         if self.drafter is not None:
             self.drafter.learn_step_costs()  # ... and the step costs observed
@@ -168,7 +171,7 @@ class StepLoop:
             if drafting:
                 kept = sum(map(sum, (out.accepted for out in step.outputs)))
         return placed, StepShape(sched.num_tokens, drafting, int(inputs.num_drafts.sum()), refilled, kept,
-                               len(sched.scheduled))
+                                 len(sched.scheduled), inputs.draft_ahead and not drafting)
 
     async def _place(self, steps: InlineSteps | StepThread, step: PendingStep) -> PendingStep | None:
         """Collect a step that was not overlapped and put its tokens in its sequences ahead of their
@@ -216,15 +219,12 @@ class StepLoop:
             self.wake.clear()
             await self.wake.wait()
 
-    def _hold_places(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
-        """An overlapped step's places in its sequences, and its MTP drafts' in the proposer's."""
-        tokens, owners = self.runner.tokens, inputs.owners
-        self.outputs.hold_places(sched, owners, [tokens.emitted(s) for s in range(len(owners))],
-                                 inputs.num_drafts.tolist())
-        if self.runner.mtp is not None:
-            steps = self.runner.mtp.num_model_steps
-            self.runner.mtp.proposer.hold(inputs.seq_ids, [tokens.drafts(s, steps) for s in range(len(owners))],
-                                          inputs)
+    def _launched_mtp(self, inputs: StepInputs, held: bool) -> None:
+        """Tell the MTP proposer of a launched step: whether the head drafts in it, and the placeholder
+        ids of its drafts while it is overlapped."""
+        tokens, steps = self.runner.tokens, self.runner.mtp.num_model_steps
+        placeholders = [tokens.drafts(s, steps) for s in range(len(inputs.owners))] if held else None
+        self.runner.mtp.proposer.launched(inputs.seq_ids, inputs, inputs.draft_ahead, placeholders)
 
     def _drafts_on_device(self) -> bool:
         """Whether a step may verify drafts before the host has the step in flight's tokens: an MTP

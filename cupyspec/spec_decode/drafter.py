@@ -66,6 +66,12 @@ class Drafter:
         self._plain_seconds = 0.0  # their wall time
         self._explore_after: float | None = None  # plain seconds after which exploring pays (see `plan`)
         self._exploring_step = False  # the last plan explored (`observe_step` prices it)
+        self._primed: SpeculativeConfig | None = None  # the rule of an exploring step primed the step before
+        # A proposer that drafts ahead drafts in a step for the next (an MTP head), so the step being
+        # formed drafts ahead when the plan asks drafts of anyone, as the next plan usually does
+        # again; always under the fixed rule, whose shadow probes need the head's drafts. Where
+        # speculation does not pay, the head then costs nothing but its K/V. Set by `propose`.
+        self.drafts_ahead = False
         self._explore_price: dict[int, float] = {}  # per load band: seconds its last exploring step added
         self._budget = 0.0  # seconds the engine may spend now evaluating the rule (see the module docstring)
         self._probe_budget = 0.0  # ... and on shadow probes and the proposer's deferred bookkeeping
@@ -97,7 +103,7 @@ class Drafter:
         else:
             self._plain_streak += 1
             self._plain_seconds += seconds
-            if not shape.refilled:  # a refilled step does not show a draft-free step's price (step_cost.py)
+            if not (shape.refilled or shape.priming):  # neither shows a draft-free step's price (step_cost.py)
                 self._drafting_streak, self._plain_rows = 0, shape.rows
         if self._exploring_step:
             self._exploring_step = False
@@ -132,6 +138,9 @@ class Drafter:
         Exploring lets drafting resume at a load where it pays after a cost learned at another
         stopped it (drafting at one sequence is one sequence drafting and one synchronous step at
         once, which no fit can tell apart)."""
+        if self._primed is not None:  # the head drafted for this exploring step in the one before
+            rule, self._primed = self._primed, None
+            return self._explore(running, rule)
         if self.config.cost_aware_backoff:
             longest = EXPLORE_STEPS * (SAME_ROWS_STREAK_FACTOR if len(running) == self._plain_rows else 1)
             if self._drafting_streak >= longest:
@@ -144,8 +153,8 @@ class Drafter:
                                            * EXPLORE_STEPS * self._backoff)
                 if self._plain_seconds >= self._explore_after:
                     self._plain_streak, self._plain_seconds, self._explore_after = 0, 0.0, None
-                    self._exploring_step, self._drafted_since_exploring = True, False
-                    return self._explore(running)
+                    self._drafted_since_exploring = False
+                    return self._explore(running, self._exploring)
             if self._budget <= 0 and self._last_plan is not None:
                 standing, complete = self._standing(running)
                 if complete or self._budget < -OVERHEAD_BUDGET_CAP:
@@ -185,19 +194,27 @@ class Drafter:
         fitted = 0.0 if cost is None else cost.drafting_seconds(drafting * self.config.num_speculative_tokens, drafting)
         return max(fitted, self._explore_price.get(load_band(sequences), 0.0))
 
-    def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig | None = None) -> dict[int, int]:
+    def _explore(self, running: Seq[Sequence], rule: SpeculativeConfig) -> dict[int, int]:
         """Drafts up to each sequence's limit under the fixed `rule` for the EXPLORE_SEQS sequences
-        likeliest to keep them (hit rate times acceptance); none for the others. The default rule
+        likeliest to keep them (hit rate times acceptance); none for the others. The exploring rule
         drops the acceptance floor, so that a sequence written off after a few rejections is
-        verified again now and then."""
-        limits = draft_limits(running, rule or self._exploring)
+        verified again now and then; a step under it is an exploring step (`observe_step` prices
+        it). Where the proposer drafts ahead and the step before did not, this step only primes it:
+        the next step explores under the same rule."""
+        limits = draft_limits(running, rule)
+        if self.proposer.drafts_ahead and not self.drafts_ahead and any(limits.values()):
+            self._primed = rule
+        else:
+            self._exploring_step = rule is self._exploring
         ranked = sorted((s for s in running if limits.get(s.seq_id)),
                         key=lambda s: s.spec.proposal_hit_rate * s.spec.draft_acceptance, reverse=True)
         chosen = {s.seq_id for s in ranked[:EXPLORE_SEQS]}
         return {seq_id: k if seq_id in chosen else 0 for seq_id, k in limits.items()}
 
     def propose(self, running: Seq[Sequence], limits: dict[int, int]) -> None:
-        """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none."""
+        """Set each running sequence's drafts: up to limits[seq_id] from the proposer, else none; and
+        whether the step drafts ahead (`drafts_ahead`)."""
+        self.drafts_ahead = not self.config.cost_aware_backoff or any(limits.values())
         for seq in self._drafted:
             seq.draft_token_ids, seq.proposal = [], None
         asking = [seq for seq in running if limits.get(seq.seq_id, 0) > 0] if any(limits.values()) else []
@@ -211,7 +228,8 @@ class Drafter:
             drafts = drafts.first(limits[seq.seq_id])
             seq.draft_token_ids = drafts.token_ids.tolist()
             seq.proposal = drafts if drafts.probs is not None or drafts.logprobs is not None else None
-            seq.spec.record_proposal(bool(seq.draft_token_ids))
+            if seq.draft_token_ids or not self.proposer.drafts_ahead:  # (else the head did not run: no answer)
+                seq.spec.record_proposal(bool(seq.draft_token_ids))
 
     def after_step(self, running: Seq[Sequence]) -> None:
         """Shadow probes (shadow.py) of the sequences not asked for drafts, then the proposer's

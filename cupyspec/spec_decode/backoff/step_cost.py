@@ -19,7 +19,8 @@ while all drafting steps had as many drafting sequences, its minimum-norm share 
 look dearer.
 
 A step is a drafting one when it verifies drafts; one whose sequences got no drafts runs overlapped
-and counts as draft-free. A drafting step waits for the step in flight (the drain), and the
+and counts as draft-free, unless an MTP head drafted in it for the next step (`priming`): that is
+no draft-free step's price, and is left out. A drafting step waits for the step in flight (the drain), and the
 draft-free step after it is launched with none in flight (`refilled`). So what drafting adds is the
 drafting step's wall time plus what the refilled step took more or less than a draft-free step of
 its rows: where the device is the bottleneck the refilled step gives the drain back, where the host
@@ -61,6 +62,7 @@ class StepShape(NamedTuple):
     refilled: bool = False  # a draft-free step launched with no step in flight, under overlap scheduling
     kept: int = 0  # drafts that verification accepted
     sequences: int = 1  # sequences in the step: its load band
+    priming: bool = False  # verifies no drafts, but an MTP head drafted in it for the next step
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class StepCostModel:
         would cost every step."""
         plain = self._plain.terms(MIN_PLAIN_STEPS) if shape.drafting else self._plain.last
         if plain is None:  # nothing to measure against yet: only draft-free steps are taken
-            if not shape.drafting and not shape.refilled:
+            if not (shape.drafting or shape.refilled or shape.priming):
                 self._plain.observe((1.0, shape.rows), seconds)
             return
         plain_seconds = plain[0] + plain[1] * shape.rows  # a draft-free step of these rows
@@ -195,7 +197,7 @@ class StepCostModel:
                 added += seconds - plain_seconds
             self._drafting[band].observe(x, added)
         if not shape.drafting:
-            if not shape.refilled and not self._outlier(PLAIN, seconds, plain_seconds):
+            if not (shape.refilled or shape.priming or self._outlier(PLAIN, seconds, plain_seconds)):
                 self._plain.observe((1.0, shape.rows), seconds)
             return
         base = plain[0] + plain[1] * (shape.rows - shape.draft_rows)

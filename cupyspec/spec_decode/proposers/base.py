@@ -100,6 +100,10 @@ class Proposer(abc.ABC):
     # True if the proposer keeps per-sequence state that assumes a sequence's token_ids only grow
     # between calls; such a proposer cannot extend another proposer's tentative drafts.
     tracks_sequences: bool = False
+    # True if a sequence's drafts are made on the device in the step before they are asked for, and
+    # only when that step drafts ahead (an MTP head): an empty answer then says the head did not
+    # run, not that it found nothing, and does not count against the sequence's hit rate.
+    drafts_ahead: bool = False
 
     @abc.abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:

@@ -21,6 +21,7 @@ class MTPWithNgram(Proposer):
     first `num_model_steps`, continued by ngram (ChainProposer)."""
 
     method = "mtp+ngram"
+    drafts_ahead = True  # an empty answer: the head did not run, and no copy was found
 
     def __init__(self, mtp: MTPProposer, ngram: NgramProposer, num_model_steps: int) -> None:
         self.first = mtp  # the head's proposer, as make_mtp_drafting finds it

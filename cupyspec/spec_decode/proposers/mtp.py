@@ -80,11 +80,11 @@ class MTPDrafting:
         row, tokens [S] the token emitted after it, positions [S] int32 its position, block_tables
         [S, W] int32 its sequence's blocks; previous: the placeholder tokens of DeviceBatch (unused
         here); sampling: the rows that draw at random (None: every row is greedy)."""
-        xp, block_size, steps = self.head.target.backend.xp, kv.block_size, self.num_model_steps
+        xp, steps = self.head.target.backend.xp, self.num_model_steps
         rows = xp.arange(len(tokens), dtype=np.int32)  # [S]: each row a sequence of its own
         # [steps, S]: the position and KV slot of each head step, worked out at once
         at = xp.minimum(positions[None, :] + xp.arange(steps, dtype=np.int32)[:, None], self.last_position)
-        slots = block_tables[rows[None, :], at // block_size] * block_size + at % block_size
+        slots = _slots(block_tables, rows[None, :], at, kv.block_size)
         tokens, drafts, logprobs, probs = tokens.astype(np.int32), [], [], []
         for step in range(steps):
             batch = DeviceBatch(tokens, at[step], rows, slots[step], block_tables, previous)
@@ -103,9 +103,33 @@ class MTPDrafting:
     def draft_from(self, hidden: Any, batch: DeviceBatch, boundary_rows: Any, tokens: Any, kv: KVCacheArrays,
                    sampling: DraftSampling | None = None) -> Drafted:
         """`draft` from the boundary rows [S] of an eager step: hidden [T, H], the step's batch."""
-        block_tables = batch.block_tables[batch.batch_id_per_token[boundary_rows]]  # [S, W]
-        return self.draft(hidden[boundary_rows], tokens, batch.positions[boundary_rows], block_tables,
-                          batch.previous_tokens, kv, sampling)
+        return self.draft(*_boundaries(hidden, batch, boundary_rows, tokens), kv, sampling)
+
+    def mend(self, hidden: Any, tokens: Any, positions: Any, block_tables: Any, previous: Any,
+             kv: KVCacheArrays) -> None:
+        """The K/V that `draft`'s first step writes at S boundaries (`draft`'s arguments), alone: where
+        the head does not draft, the K/V there must still hold the emitted token, not the catch-up's
+        guess."""
+        xp = self.head.target.backend.xp
+        rows = xp.arange(len(tokens), dtype=np.int32)  # [S]
+        batch = DeviceBatch(tokens.astype(np.int32), positions, rows, _slots(block_tables, rows, positions,
+                                                                             kv.block_size), block_tables, previous)
+        self.head.write_kv(hidden, batch, kv)
+
+    def mend_from(self, hidden: Any, batch: DeviceBatch, boundary_rows: Any, tokens: Any, kv: KVCacheArrays) -> None:
+        """`mend` at the boundary rows [S] of an eager step: hidden [T, H], the step's batch."""
+        self.mend(*_boundaries(hidden, batch, boundary_rows, tokens), kv)
+
+
+def _boundaries(hidden: Any, batch: DeviceBatch, rows: Any, tokens: Any) -> tuple[Any, ...]:
+    """`MTPDrafting.draft`'s first arguments for the boundary rows [S] of an eager step's batch."""
+    block_tables = batch.block_tables[batch.batch_id_per_token[rows]]  # [S, W]
+    return hidden[rows], tokens, batch.positions[rows], block_tables, batch.previous_tokens
+
+
+def _slots(block_tables: Any, rows: Any, positions: Any, block_size: int) -> Any:
+    """The KV slots of `positions` in the sequences of block_tables [S, W] at `rows` (broadcast alike)."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size
 
 
 def draw_drafts(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, picks: Any,
@@ -134,27 +158,39 @@ class MTPProposer(Proposer):
     placeholder), the placeholder ids of the drafts that step makes on the device."""
 
     method = "mtp"
+    drafts_ahead = True
 
     def __init__(self) -> None:
         # seq_id -> its last collected step's drafts [num_model_steps] int32, their head logprobs f32 and q (or None)
         self._drafts: dict[int, tuple[np.ndarray, np.ndarray | None, Any | None]] = {}
         self._held: dict[int, tuple[object, np.ndarray]] = {}  # seq_id -> (its step in flight, placeholder ids)
+        self._drafting: dict[int, bool] = {}  # seq_id -> whether the head drafts in its last launched step
 
-    def hold(self, seq_ids: Sequence[int], placeholders: Sequence[Sequence[int]], step: object) -> None:
-        """At the launch of an overlapped step (`step`, any object unique to it): the drafts its sampling
-        sequences seq_ids [S] get in it are on the device, under the placeholder ids [S][num_model_steps]
-        (cupyspec/model/device_tokens.py), until the step is collected."""
-        for seq_id, ids in zip(seq_ids, placeholders):
-            self._held[seq_id] = step, np.array(ids, dtype=np.int32)
+    def launched(self, seq_ids: Sequence[int], step: object, drafting: bool,
+                 placeholders: Sequence[Sequence[int]] | None = None) -> None:
+        """At the launch of `step` (any object unique to it) over the sampling sequences seq_ids [S]:
+        whether the head drafts in it for their next step and, when the step is overlapped, the
+        placeholder ids [S][num_model_steps] its drafts have on the device until it is collected
+        (cupyspec/model/device_tokens.py). A step that does not draft leaves them no drafts."""
+        for s, seq_id in enumerate(seq_ids):
+            self._drafting[seq_id] = drafting
+            if not drafting:
+                self._drafts.pop(seq_id, None)
+            if drafting and placeholders is not None:
+                self._held[seq_id] = step, np.array(placeholders[s], dtype=np.int32)
+            else:
+                self._held.pop(seq_id, None)
 
     def remember(self, seq_ids: Sequence[int], drafts: np.ndarray, logprobs: np.ndarray,
                  probs: dict[int, Any] | None = None, step: object = None) -> None:
         """drafts [S, num_model_steps] int32 and the head's logprob of each [S, num_model_steps] f32
         (host) of the sampling sequences seq_ids [S] of a collected step; probs: s -> q
         [num_model_steps, V] (device) of the sequences that drew their drafts. Kept as rows: most
-        are never proposed."""
+        are never proposed. A sequence whose step launched since does not draft keeps none of them."""
         probs = probs or {}
         for s, (seq_id, tokens, lps) in enumerate(zip(seq_ids, drafts, logprobs)):
+            if not self._drafting.get(seq_id, True):
+                continue
             self._drafts[seq_id] = tokens, lps, probs.get(s)
             held = self._held.get(seq_id)
             if held is not None and held[0] is step:
@@ -175,6 +211,7 @@ class MTPProposer(Proposer):
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         self._drafts.pop(seq_id, None)
         self._held.pop(seq_id, None)
+        self._drafting.pop(seq_id, None)
 
 
 def head_file(config: SpeculativeConfig, served_model: str) -> tuple[str, str | None]:

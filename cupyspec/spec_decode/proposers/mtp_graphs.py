@@ -46,16 +46,18 @@ class DraftGraphs:
         self.first_rows = cupy.full(size, rows, np.int32)  # [size]: each sequence's first target row
         self.drafts = cupy.zeros((size, steps), np.int32)  # [size, steps]
         self.logprobs = cupy.zeros((size, steps), np.float32)  # [size, steps]: the head's logprob of each
-        self.graphs: dict[int, Any] = {}
+        self.graphs: dict[int, Any] = {}  # bucket -> its drafting graph
+        self.mend_graphs: dict[int, Any] = {}  # bucket -> its graph of `MTPDrafting.mend`
         stream = forward.stream
         with cupy.cuda.using_allocator(forward.pool.malloc), stream:
             for bucket in reversed(self.buckets):
-                self._draft(bucket)  # warm-up outside capture, as the forward graphs'
-                stream.begin_capture()
-                with programmatic_launches():
-                    self._draft(bucket)
-                self.graphs[bucket] = stream.end_capture()
-                self.graphs[bucket].upload(stream)
+                for graphs, work in ((self.graphs, self._draft), (self.mend_graphs, self._mend)):
+                    work(bucket)  # warm-up outside capture, as the forward graphs'
+                    stream.begin_capture()
+                    with programmatic_launches():
+                        work(bucket)
+                    graphs[bucket] = stream.end_capture()
+                    graphs[bucket].upload(stream)
         stream.synchronize()
         log.info("captured %d MTP drafting graphs for up to %d sequences", len(self.graphs), size)
 
@@ -67,6 +69,9 @@ class DraftGraphs:
         rows = cupy.minimum(self.first_rows[:count] + tokens.accepted[:count], self.padding)  # [count]
         positions, batch_ids = f.tokens[1][rows], f.tokens[2][rows]  # [count] each
         return f.residual[rows], tokens.by_seq[:count, 0], positions, f.tables[batch_ids], f.previous_tokens, f.kv
+
+    def _mend(self, bucket: int) -> None:
+        self.drafting.mend(*self._boundaries(bucket))
 
     def _draft(self, bucket: int, sampling: DraftSampling | None = None) -> Drafted:
         drafted = self.drafting.draft(*self._boundaries(bucket), sampling)
@@ -81,6 +86,19 @@ class DraftGraphs:
         static buffers, valid until the next run), else eagerly over the same inputs. A step holds at
         most max_num_seqs sequences, and at most as many as the forward graphs' rows: the largest
         bucket holds them."""
+        num_seqs, bucket = len(first_rows), self._stage(first_rows)
+        if sampling is not None:
+            return self._draft(num_seqs, sampling)
+        self.graphs[bucket].launch(self.forward.stream)
+        return Drafted(self.drafts[:num_seqs], self.logprobs[:num_seqs])
+
+    def mend(self, first_rows: np.ndarray) -> None:
+        """`MTPDrafting.mend` at the S sequences' boundaries, from their first target rows first_rows
+        [S] (host) in the step the forward graphs ran last, by a graph."""
+        self.mend_graphs[self._stage(first_rows)].launch(self.forward.stream)
+
+    def _stage(self, first_rows: np.ndarray) -> int:
+        """Stage first_rows [S] (host) into the graphs' input, padded to its bucket; returns the bucket."""
         num_seqs = len(first_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
         turn, self._turn = self._turn, self._turn ^ 1
@@ -88,7 +106,4 @@ class DraftGraphs:
         staged[:num_seqs] = first_rows
         staged[num_seqs:bucket] = self.padding
         self.first_rows[:bucket].set(staged[:bucket], stream=self.forward.stream)
-        if sampling is not None:
-            return self._draft(num_seqs, sampling)
-        self.graphs[bucket].launch(self.forward.stream)
-        return Drafted(self.drafts[:num_seqs], self.logprobs[:num_seqs])
+        return bucket
