@@ -154,9 +154,9 @@ class StepLoop:
         refilled = held and not _in_flight(pending)  # no step ran before it on the device
         launching = steps.run(self.runner.launch, inputs)  # on a GPU queued at once, else computing
         self.scheduler.on_launched(sched)
-        if held:
-            self.outputs.hold_places(sched, inputs.owners, [self.runner.tokens.emitted(s) for s in range(len(inputs.owners))],
-                                     inputs.num_drafts.tolist())
+        if held:  # the places of its tokens in its sequences
+            emitted = [self.runner.tokens.emitted(s) for s in range(len(inputs.owners))]
+            self.outputs.hold_places(sched, inputs.owners, emitted, inputs.num_drafts.tolist())
         if self.runner.mtp is not None:
             self._launched_mtp(inputs, held)
         pending = self._deliver_placed(pending)  # meanwhile, the outputs of the step before
