@@ -434,3 +434,6 @@ def test_with_ngram_takes_ngrams_drafts_where_the_text_copies_itself_else_the_he
     assert out[0].token_ids.tolist() == [14, 15, 16]  # ngram's copy, not the head's 90, 91
     # the head's two drafts, then ngram from the context followed by them ("22 23" -> "24 30")
     assert out[1].token_ids.tolist() == [22, 23, 24, 30] and np.isnan(out[1].logprobs[2:]).all()
+    assert hybrid.wants_drafts_ahead()  # the head's drafts served one sequence
+    hybrid.propose([DraftRequest(1, "a", copying, 4, 3)])
+    assert not hybrid.wants_drafts_ahead()  # every sequence copies: the head need not draft

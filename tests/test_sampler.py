@@ -261,8 +261,10 @@ def test_argmax_kernel_matches_numpy(rows: int, vocab: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,vocab", [(1, 49152), (7, 1000), (300, 513), (2, 1)])
-def test_argmax_logprob_kernel_matches_its_twin(rows: int, vocab: int) -> None:
+@pytest.mark.parametrize("rows,vocab,ties", [(1, 49152, False), (7, 1000, False), (300, 513, False), (2, 1, False),
+                                             (5, 4096, True), (3, 1003, True)])
+def test_argmax_logprob_kernel_matches_its_twin(rows: int, vocab: int, ties: bool) -> None:
+    """Rows read as float4s (vocab % 4 == 0) or one value at a time; ties go to the lowest column."""
     import cupy
 
     from cupyspec.sampling.argmax import argmax_logprobs
@@ -270,6 +272,9 @@ def test_argmax_logprob_kernel_matches_its_twin(rows: int, vocab: int) -> None:
     rng = np.random.default_rng(rows * vocab)
     x = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
     x[:, rng.integers(0, vocab)] += 3.0  # a clear winner in some rows, many close ones in others
+    if ties:
+        x = np.round(x)  # many values equal to the maximum
+        x[0, :vocab // 2] = -np.inf  # masked columns first: the sum skips them
     picks, logprobs = (a.get() for a in argmax_logprobs(cupy, cupy.asarray(x)))
     want_picks, want_logprobs = argmax_logprobs(np, x)
     np.testing.assert_array_equal(picks, want_picks)

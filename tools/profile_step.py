@@ -112,16 +112,15 @@ def layer_kernels(engine: AsyncEngine, flat: FlatBatch, repeats: int) -> dict[st
 
 def head_kernels(engine: AsyncEngine, batch: DeviceBatch, hidden: Any) -> dict[str, Callable[[], Any]]:
     """What one MTP head step runs over the batch's rows, each part on its own: the head's input
-    rows, eh_proj, its decoder layer, the final norm with the LM head, and the argmax with its
+    rows, with eh_proj, its decoder layer, the final norm with the LM head, and the argmax with its
     logprob; then a whole head step."""
     runner, xp = engine.runner, engine.backend.xp
     head, kv = runner.mtp.head, runner.kv
-    rows = head._input_rows(hidden, batch)  # [T, 2H]
     residual = head._input(hidden, batch)  # [T, H] fp32
     logits = head.logits(residual)  # [T, V]
     return {
         "mtp_input": lambda: head._input_rows(hidden, batch),
-        "mtp_eh_proj": lambda: linear(xp, rows, head.eh_proj, np.float32),
+        "mtp_input_eh_proj": lambda: head._input(hidden, batch),
         "mtp_layer": lambda: head.target.run_layer(residual, head.layer, kv.k[head.kv_layer], kv.v[head.kv_layer],
                                                    batch),
         "mtp_norm_lm_head": lambda: head.logits(residual),

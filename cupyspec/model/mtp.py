@@ -36,7 +36,7 @@ from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.fused import rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
-from cupyspec.model.linear import linear
+from cupyspec.model.linear import add_linear
 from cupyspec.model.llama import LlamaModel, layer_weights
 
 FORMAT = "cupyspec-mtp-v1"
@@ -111,8 +111,14 @@ class MTPHead:
         self.target.write_kv(self._input(hidden, batch), self.layer, kv.k[self.kv_layer], kv.v[self.kv_layer], batch)
 
     def _input(self, hidden: Any, batch: DeviceBatch) -> Any:
-        """u = concat(enorm(embedding), hnorm(hidden)) @ eh_proj.T: [T, H] fp32."""
-        return linear(self.target.backend.xp, self._input_rows(hidden, batch), self.eh_proj, np.float32)
+        """u = concat(enorm(embedding), hnorm(hidden)) @ eh_proj.T: [T, H] fp32, added into zeros as
+        the layers add their products (rounded to the weights' dtype): at a few rows that is a gemv,
+        where an fp32 product would take the tiles."""
+        xp = self.target.backend.xp
+        rows = self._input_rows(hidden, batch)  # [T, 2H]
+        u = xp.zeros((rows.shape[0], self.eh_proj.shape[0]), dtype=np.float32)  # [T, H]
+        add_linear(xp, u, rows, self.eh_proj)
+        return u
 
     def _input_rows(self, hidden: Any, batch: DeviceBatch) -> Any:
         """concat(enorm(embedding of the input ids), hnorm(hidden [T, H] fp32)): [T, 2H] in the weights'

@@ -69,8 +69,9 @@ class Drafter:
         self._primed: SpeculativeConfig | None = None  # the rule of an exploring step primed the step before
         # A proposer that drafts ahead drafts in a step for the next (an MTP head), so the step being
         # formed drafts ahead when the plan asks drafts of anyone, as the next plan usually does
-        # again; always under the fixed rule, whose shadow probes need the head's drafts. Where
-        # speculation does not pay, the head then costs nothing but its K/V. Set by `propose`.
+        # again (always under the fixed rule, whose shadow probes need the head's drafts), and the
+        # proposer wants it (`Proposer.wants_drafts_ahead`). Where speculation does not pay, the head
+        # then costs nothing but its K/V. Set by `propose`.
         self.drafts_ahead = False
         self._explore_price: dict[int, float] = {}  # per load band: seconds its last exploring step added
         self._budget = 0.0  # seconds the engine may spend now evaluating the rule (see the module docstring)
@@ -230,6 +231,7 @@ class Drafter:
             seq.proposal = drafts if drafts.probs is not None or drafts.logprobs is not None else None
             if seq.draft_token_ids or not self.proposer.drafts_ahead:  # (else the head did not run: no answer)
                 seq.spec.record_proposal(bool(seq.draft_token_ids))
+        self.drafts_ahead = self.drafts_ahead and self.proposer.wants_drafts_ahead()
 
     def after_step(self, running: Seq[Sequence]) -> None:
         """Shadow probes (shadow.py) of the sequences not asked for drafts, then the proposer's

@@ -109,6 +109,11 @@ class Proposer(abc.ABC):
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         """One `Drafts` per request, in order, each with at most `max_drafts` tokens."""
 
+    def wants_drafts_ahead(self) -> bool:
+        """Whether a proposer that drafts ahead needs the step being formed to draft for the next one,
+        as its last proposals suggest (the drafter asks right after them)."""
+        return self.drafts_ahead
+
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         """Called once when a sequence finishes or is aborted; `token_ids` is its prompt + output.
         Bookkeeping that can wait (caching the output for later requests) may be left to `catch_up`."""

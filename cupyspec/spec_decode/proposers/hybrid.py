@@ -27,14 +27,20 @@ class MTPWithNgram(Proposer):
         self.first = mtp  # the head's proposer, as make_mtp_drafting finds it
         self.ngram = ngram
         self.chain = ChainProposer(mtp, ngram, num_model_steps)
+        self._took_the_heads = True  # some request of the last call took the head's drafts
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         copies = self.ngram.propose_copies(requests, self.ngram.ngram_max)
         rest = [i for i, drafts in enumerate(copies) if not len(drafts)]
+        self._took_the_heads = bool(rest)
         out = list(copies)
         for i, drafts in zip(rest, self.chain.propose([requests[i] for i in rest]) if rest else ()):
             out[i] = drafts
         return out
+
+    def wants_drafts_ahead(self) -> bool:
+        """While every sequence copies its context, the head's drafts go unused: it need not draft."""
+        return self._took_the_heads
 
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
         self.chain.on_sequence_finished(seq_id, request_id, token_ids, num_prompt_tokens)
