@@ -12,6 +12,7 @@
 
 #define ARGMAX_MAX_THREADS 512
 #define ARGMAX_UNROLL 4
+#define ARGMAX_NEG_INF __int_as_float(0xff800000)
 
 struct Best {
     float value;
@@ -32,9 +33,9 @@ __device__ __forceinline__ float rescaled(float sum, float from, float to) {
 template <bool WITH_SUM>
 __device__ __forceinline__ void scan_value(float v, long long i, Best& best, float& sum) {
     if (beats(v, i, best)) {
-        if (WITH_SUM) sum = rescaled(sum, best.value, v) + (v == -INFINITY ? 0.f : 1.f);
+        if (WITH_SUM) sum = rescaled(sum, best.value, v) + (v == ARGMAX_NEG_INF ? 0.f : 1.f);
         best = Best{v, i};
-    } else if (WITH_SUM && v != -INFINITY) {  // (exp(-inf - best) is 0; skipped, it is NaN where best is -inf)
+    } else if (WITH_SUM && v != ARGMAX_NEG_INF) {  // (exp(-inf - best) is 0; skipped, it is NaN where best is -inf)
         sum += __expf(v - best.value);
     }
 }
@@ -45,7 +46,7 @@ template <bool WITH_SUM>
 __device__ __forceinline__ long long block_scan(const float* __restrict__ row, long long vocab, float* sum_out) {
     __shared__ Best best_s[ARGMAX_MAX_THREADS];
     __shared__ float sum_s[ARGMAX_MAX_THREADS];
-    Best best{-INFINITY, vocab};  // beaten by any column (ties to the lower index)
+    Best best{ARGMAX_NEG_INF, vocab};  // beaten by any column (ties to the lower index)
     float sum = 0.f;
     const bool vectors = vocab % 4 == 0 && reinterpret_cast<unsigned long long>(row) % 16 == 0;
     const long long num_vectors = vectors ? vocab / 4 : 0;
