@@ -122,6 +122,16 @@ async def main(args: argparse.Namespace) -> None:
         return inputs
 
     engine.runner.prepare = traced_prepare
+    eager = [0]  # steps too large for the CUDA graphs, run eagerly
+    if engine.runner.graphs is not None:
+        run_graph = engine.runner.graphs.run
+
+        def counted_run(*args: Any) -> Any:
+            logits = run_graph(*args)
+            eager[0] += logits is None
+            return logits
+
+        engine.runner.graphs.run = counted_run
     shapes: list[tuple[StepShape, float]] = []  # what the drafter's cost model saw
     if engine.drafter is not None:
         plan, observe = engine.drafter.plan, engine.drafter.observe_step
@@ -139,6 +149,7 @@ async def main(args: argparse.Namespace) -> None:
         await serve(engine, prompts[: args.concurrency], args.concurrency, args.endpoint, extra)  # warm-up
         timer.reset()
         trace.clear()
+        eager[0] = 0
         shapes.clear()
         started = time.perf_counter()
         totals = await serve(engine, prompts, args.concurrency, args.endpoint, extra)
@@ -147,7 +158,7 @@ async def main(args: argparse.Namespace) -> None:
         await engine.shutdown()
     steps = max(timer.calls["schedule"], 1)
     report = {"output_tok_per_s": totals["tokens"] / seconds, "seconds": seconds, "engine_steps": steps,
-              "us_per_step": 1e6 * seconds / steps,
+              "us_per_step": 1e6 * seconds / steps, "eager_steps": eager[0],
               "mean_acceptance_length": totals["tokens"] / totals["steps"] if totals["steps"] else None,
               "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
               "phases": {name: {"calls": timer.calls[name], "us_per_call": 1e6 * timer.seconds[name] / timer.calls[name],
