@@ -86,7 +86,8 @@ class ModelRunner:
                  mtp: MTPDrafting | None = None) -> None:
         """cuda_graph_max_tokens: on a GPU, steps of up to this many rows replay CUDA graphs (0: none).
         tokenizer: the tokens' bytes, for logprobs rendered as chat JSON entries.
-        mtp: the MTP head's drafting, run in every step (graphed with the forward pass when it is)."""
+        mtp: the MTP head's drafting, in each step that drafts ahead (graphed with the forward pass when
+        it is)."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
         self.tokenizer, self.mtp = tokenizer, mtp
         xp = backend.xp

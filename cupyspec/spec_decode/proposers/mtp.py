@@ -1,4 +1,4 @@
-"""MTP drafting: the head runs on the device in every step, and its drafts serve the next one.
+"""MTP drafting: the head runs on the device in a step, and its drafts serve the next one.
 
 Two parts, each over device arrays only, so that both run inside CUDA graphs:
 
@@ -13,11 +13,13 @@ Two parts, each over device arrays only, so that both run inside CUDA graphs:
    sequence drafts the head's argmax; one that samples draws its draft from the head's distribution
    q under its own temperature, top-k, top-p and min-p (penalties left out), with the counter-based
    draw of the draft's position (`DRAFT_STREAM`), and q goes to verification with the draft.
+   Drafting runs in a step that drafts ahead (the back-off plan drafts: cupyspec/spec_decode/
+   drafter.py); in the others `MTPDrafting.mend` writes the boundary's K/V alone.
 
 So every position below a sequence's length holds the head's K/V of its true next token: rows past
 a boundary (rejected drafts) and drafting steps 2.. write K/V only at positions that the next
 step's rows rewrite before anything reads them. `MTPProposer` hands the drafts of a sequence's last
-step to the drafter as the proposal for its next one.
+step to the drafter as the proposal for its next one (none after a step that did not draft).
 """
 
 from __future__ import annotations
