@@ -48,6 +48,14 @@ def load_kernel(name: str, function: str) -> Kernel:
     return Kernel(_compile(cupy, name).get_function(function))
 
 
+@functools.cache
+def sm_count(device: int) -> int:
+    """The streaming multiprocessors of CUDA device `device`, for sizing grids."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
 # ---------------------------------------------------------------- programmatic dependent launch
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID

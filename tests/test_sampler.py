@@ -262,9 +262,11 @@ def test_argmax_kernel_matches_numpy(rows: int, vocab: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,vocab,ties", [(1, 49152, False), (7, 1000, False), (300, 513, False), (2, 1, False),
-                                             (5, 4096, True), (3, 1003, True)])
+                                             (5, 4096, True), (3, 1003, True), (1, 49152, True), (2, 9001, True),
+                                             (32, 49152, False)])
 def test_argmax_logprob_kernel_matches_its_twin(rows: int, vocab: int, ties: bool) -> None:
-    """Rows read as float4s (vocab % 4 == 0) or one value at a time; ties go to the lowest column."""
+    """Rows read as float4s (vocab % 4 == 0) or one value at a time, whole or in column chunks merged
+    after (few rows, wide vocabularies); ties go to the lowest column."""
     import cupy
 
     from cupyspec.sampling.argmax import argmax_logprobs

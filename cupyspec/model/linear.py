@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cupyspec.kernels import load_kernel
+from cupyspec.kernels import load_kernel, sm_count
 
 GEMV_MAX_ROWS = 8  # rows up to which the gemv kernel runs
 KERNEL_MAX_ROWS = 512  # above this, cuBLAS (x @ w.T) runs instead (faster for prefill; not capturable)
@@ -64,13 +64,6 @@ def _pick_tile(m: int, n: int, sm_count: int) -> _Tile:
 
 
 @functools.cache
-def _sm_count(device: int) -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-
-
-@functools.cache
 def _kernel(function: str, shared_bytes: int, device: int) -> Any:
     """The kernel `function` of cuda/gemm.cu, allowed `shared_bytes` of dynamic shared memory on `device`."""
     kernel = load_kernel("gemm", function)
@@ -107,7 +100,7 @@ def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
     if m <= GEMV_MAX_ROWS and epilogue != "f32":
         _kernel(f"gemv_{epilogue}", 0, device)((-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
     else:
-        tile = _pick_tile(m, n, _sm_count(device))
+        tile = _pick_tile(m, n, sm_count(device))
         _kernel(f"{tile.function}_{epilogue}", tile.shared_bytes, device)(
             (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), args, shared_mem=tile.shared_bytes)
 
