@@ -397,11 +397,11 @@ def test_mtp_proposes_the_drafts_of_a_sequences_last_step_in_flight_or_collected
     assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0].token_ids.tolist() == [-10, -11, -12]
     assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])  # nothing collected yet
     mtp.launched([3], step_two, True, [[-14, -15, -16]])  # launched before step one is collected
-    mtp.remember([3], np.array([[40, 41, 42]], np.int32), np.full((1, 3), -0.5, np.float32), None, step_one)
+    mtp.remember([3], lambda: (np.array([[40, 41, 42]], np.int32), np.full((1, 3), -0.5, np.float32)), None, step_one)
     assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 2)])[0].token_ids.tolist() == [-14, -15]
     drafts = mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0]
     assert drafts.token_ids.tolist() == [40, 41, 42] and drafts.logprobs.tolist() == [-0.5] * 3
-    mtp.remember([3], np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32), None, step_two)
+    mtp.remember([3], lambda: (np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32)), None, step_two)
     assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])  # nothing holds it any more
     assert mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0].token_ids.tolist() == [50, 51, 52]
 
@@ -414,11 +414,11 @@ def test_mtp_has_no_drafts_for_a_sequence_whose_last_step_did_not_draft() -> Non
     drafting, plain = object(), object()
     mtp.launched([3], drafting, True, [[-10, -11, -12]])
     mtp.launched([3], plain, False, [[-14, -15, -16]])  # overlapped, but no drafts on the device
-    mtp.remember([3], np.array([[40, 41, 42]], np.int32), np.zeros((1, 3), np.float32), None, drafting)
+    mtp.remember([3], lambda: (np.array([[40, 41, 42]], np.int32), np.zeros((1, 3), np.float32)), None, drafting)
     assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])
     assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])
     mtp.launched([3], drafting, True)  # not overlapped: its drafts come when it is collected
-    mtp.remember([3], np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32), None, drafting)
+    mtp.remember([3], lambda: (np.array([[50, 51, 52]], np.int32), np.zeros((1, 3), np.float32)), None, drafting)
     assert mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0].token_ids.tolist() == [50, 51, 52]
     mtp.launched([3], plain, False)
     assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])
@@ -429,7 +429,7 @@ def test_with_ngram_takes_ngrams_drafts_where_the_text_copies_itself_else_the_he
     hybrid = MTPWithNgram(mtp, ngram, num_model_steps=2)
     copying = np.array([10, 11, 12, 13, 14, 15, 16, 10, 11, 12, 13], np.int32)  # "10 11 12 13" again: 4 agree
     fresh = np.array([20, 21, 22, 23, 24, 30, 22], np.int32)  # the last token occurred once before: 1 agrees
-    mtp.remember([1, 2], np.array([[90, 91], [22, 23]], np.int32), np.zeros((2, 2), np.float32))
+    mtp.remember([1, 2], lambda: (np.array([[90, 91], [22, 23]], np.int32), np.zeros((2, 2), np.float32)))
     out = hybrid.propose([DraftRequest(1, "a", copying, 4, 3), DraftRequest(2, "b", fresh, 4, 4)])
     assert out[0].token_ids.tolist() == [14, 15, 16]  # ngram's copy, not the head's 90, 91
     # the head's two drafts, then ngram from the context followed by them ("22 23" -> "24 30")

@@ -70,9 +70,9 @@ class LaunchedStep(NamedTuple):
     mtp_probs: Any | None = None  # [Sd, num_model_steps, V] (device): q of the drafts drawn at random
 
     def ready(self) -> bool:
-        """Whether its results, but a verified step's logprobs, are on the host (collecting would not wait)."""
-        return (self.transfer.done() and (self.verdict is None or self.verdict.done())
-                and (self.mtp_drafts is None or self.mtp_drafts.done()))
+        """Whether its results, but a verified step's logprobs and the MTP head's drafts, are on the
+        host (collecting would not wait; the drafts are waited for when proposed)."""
+        return self.transfer.done() and (self.verdict is None or self.verdict.done())
 
 
 def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
@@ -90,6 +90,10 @@ class ModelRunner:
         it is)."""
         self.model, self.kv, self.backend, self.speculative = model, kv, backend, speculative
         self.tokenizer, self.mtp = tokenizer, mtp
+        # the last collected step's MTP drafts, read when proposed: kept here until the next step is
+        # collected (its copies follow on the stream), so that their pinned buffer is not reused while
+        # the copy into it may still run
+        self._collected_drafts: HostTransfer | None = None
         xp = backend.xp
         cuda = xp.cuda if backend.is_cuda else None
         self.stream = cuda.Stream(non_blocking=True) if cuda else contextlib.nullcontext()
@@ -226,7 +230,8 @@ class ModelRunner:
             probs = None
             if step.mtp_probs is not None:
                 probs = {int(s): step.mtp_probs[i] for i, s in enumerate(inputs.draft_sampling.rows)}
-            self.mtp.proposer.remember(inputs.seq_ids, *step.mtp_drafts.result(), probs, inputs)
+            self.mtp.proposer.remember(inputs.seq_ids, step.mtp_drafts.result, probs, inputs)
+            self._collected_drafts = step.mtp_drafts
         return outputs
 
     @staticmethod

@@ -24,7 +24,7 @@ step to the drafter as the proposal for its next one (none after a step that did
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -154,6 +154,20 @@ def draw_drafts(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, p
     return q
 
 
+class CollectedDrafts:
+    """A collected step's drafts, brought to the host when first read."""
+
+    def __init__(self, fetch: Callable[[], Sequence[np.ndarray]]) -> None:
+        self._fetch: Callable[[], Sequence[np.ndarray]] | None = fetch
+        self._arrays: Sequence[np.ndarray] = ()  # drafts and head logprobs, each [S, num_model_steps]
+
+    def row(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence s's drafts and their head logprobs."""
+        if self._fetch is not None:
+            self._arrays, self._fetch = self._fetch(), None
+        return self._arrays[0][s], self._arrays[1][s]
+
+
 class MTPProposer(Proposer):
     """Proposes, for each sequence, the drafts the head made for it in its last step: the drafts of
     its last collected step, or, while a step is in flight for it (its context ends with a
@@ -163,8 +177,8 @@ class MTPProposer(Proposer):
     drafts_ahead = True
 
     def __init__(self) -> None:
-        # seq_id -> its last collected step's drafts [num_model_steps] int32, their head logprobs f32 and q (or None)
-        self._drafts: dict[int, tuple[np.ndarray, np.ndarray | None, Any | None]] = {}
+        # seq_id -> its last collected step's drafts (CollectedDrafts), its row there and its q (or None)
+        self._drafts: dict[int, tuple[CollectedDrafts, int, Any | None]] = {}
         self._held: dict[int, tuple[object, np.ndarray]] = {}  # seq_id -> (its step in flight, placeholder ids)
         self._drafting: dict[int, bool] = {}  # seq_id -> whether the head drafts in its last launched step
 
@@ -183,17 +197,18 @@ class MTPProposer(Proposer):
             else:
                 self._held.pop(seq_id, None)
 
-    def remember(self, seq_ids: Sequence[int], drafts: np.ndarray, logprobs: np.ndarray,
+    def remember(self, seq_ids: Sequence[int], fetch: Callable[[], Sequence[np.ndarray]],
                  probs: dict[int, Any] | None = None, step: object = None) -> None:
-        """drafts [S, num_model_steps] int32 and the head's logprob of each [S, num_model_steps] f32
-        (host) of the sampling sequences seq_ids [S] of a collected step; probs: s -> q
-        [num_model_steps, V] (device) of the sequences that drew their drafts. Kept as rows: most
-        are never proposed. A sequence whose step launched since does not draft keeps none of them."""
-        probs = probs or {}
-        for s, (seq_id, tokens, lps) in enumerate(zip(seq_ids, drafts, logprobs)):
+        """The drafts of the sampling sequences seq_ids [S] of a collected step: `fetch` returns them
+        [S, num_model_steps] int32 with the head's logprob of each [S, num_model_steps] f32 (host),
+        when first proposed (the step's outputs are processed meanwhile); probs: s -> q
+        [num_model_steps, V] (device) of the sequences that drew their drafts. A sequence whose step
+        launched since does not draft keeps none of them."""
+        probs, collected = probs or {}, CollectedDrafts(fetch)
+        for s, seq_id in enumerate(seq_ids):
             if not self._drafting.get(seq_id, True):
                 continue
-            self._drafts[seq_id] = tokens, lps, probs.get(s)
+            self._drafts[seq_id] = collected, s, probs.get(s)
             held = self._held.get(seq_id)
             if held is not None and held[0] is step:
                 del self._held[seq_id]
@@ -205,9 +220,13 @@ class MTPProposer(Proposer):
                 held = self._held.get(request.seq_id)
                 proposals.append(NO_DRAFTS if held is None else Drafts(held[1]).first(request.max_drafts))
                 continue
-            drafts = self._drafts.get(request.seq_id)
-            proposals.append(NO_DRAFTS if drafts is None else
-                             Drafts(drafts[0], drafts[2], drafts[1]).first(request.max_drafts))
+            entry = self._drafts.get(request.seq_id)
+            if entry is None:
+                proposals.append(NO_DRAFTS)
+                continue
+            collected, s, probs = entry
+            tokens, logprobs = collected.row(s)
+            proposals.append(Drafts(tokens, probs, logprobs).first(request.max_drafts))
         return proposals
 
     def on_sequence_finished(self, seq_id: int, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
