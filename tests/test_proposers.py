@@ -393,10 +393,10 @@ def test_mtp_proposes_the_drafts_of_a_sequences_last_step_in_flight_or_collected
     mtp = MTPProposer()
     known, in_flight = np.array([5, 6, 7], np.int32), np.array([5, 6, 7, -9], np.int32)
     step_one, step_two = object(), object()
-    mtp.launched([3], step_one, True, [[-10, -11, -12]])
+    mtp.launched([3], step_one, True, np.array([[-10, -11, -12]], np.int32))
     assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0].token_ids.tolist() == [-10, -11, -12]
     assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])  # nothing collected yet
-    mtp.launched([3], step_two, True, [[-14, -15, -16]])  # launched before step one is collected
+    mtp.launched([3], step_two, True, np.array([[-14, -15, -16]], np.int32))  # launched before step one is collected
     mtp.remember([3], lambda: (np.array([[40, 41, 42]], np.int32), np.full((1, 3), -0.5, np.float32)), None, step_one)
     assert mtp.propose([DraftRequest(3, "r", in_flight, 2, 2)])[0].token_ids.tolist() == [-14, -15]
     drafts = mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0]
@@ -412,8 +412,8 @@ def test_mtp_has_no_drafts_for_a_sequence_whose_last_step_did_not_draft() -> Non
     mtp = MTPProposer()
     known, in_flight = np.array([5, 6, 7], np.int32), np.array([5, 6, 7, -9], np.int32)
     drafting, plain = object(), object()
-    mtp.launched([3], drafting, True, [[-10, -11, -12]])
-    mtp.launched([3], plain, False, [[-14, -15, -16]])  # overlapped, but no drafts on the device
+    mtp.launched([3], drafting, True, np.array([[-10, -11, -12]], np.int32))
+    mtp.launched([3], plain, False)  # overlapped, but no drafts on the device
     mtp.remember([3], lambda: (np.array([[40, 41, 42]], np.int32), np.zeros((1, 3), np.float32)), None, drafting)
     assert not len(mtp.propose([DraftRequest(3, "r", in_flight, 2, 3)])[0])
     assert not len(mtp.propose([DraftRequest(3, "r", known, 2, 3)])[0])

@@ -222,9 +222,9 @@ class StepLoop:
     def _launched_mtp(self, inputs: StepInputs, held: bool) -> None:
         """Tell the MTP proposer of a launched step: whether the head drafts in it, and the placeholder
         ids of its drafts while it is overlapped."""
-        tokens, steps = self.runner.tokens, self.runner.mtp.num_model_steps
-        placeholders = [tokens.drafts(s, steps) for s in range(len(inputs.owners))] if held else None
-        self.runner.mtp.proposer.launched(inputs.seq_ids, inputs, inputs.draft_ahead, placeholders)
+        drafting = inputs.draft_ahead
+        placeholders = self.runner.tokens.drafts(len(inputs.owners)) if held and drafting else None
+        self.runner.mtp.proposer.launched(inputs.seq_ids, inputs, drafting, placeholders)
 
     def _drafts_on_device(self) -> bool:
         """Whether a step may verify drafts before the host has the step in flight's tokens: an MTP

@@ -35,10 +35,11 @@ class DeviceTokens:
         """The placeholder id of the token sampling sequence s emits in the step."""
         return ~(s * self.width)
 
-    def drafts(self, s: int, count: int) -> list[int]:
-        """The placeholder ids of the first `count` drafts the head makes for sequence s in the step."""
-        first = s * self.width + 1
-        return [~slot for slot in range(first, first + count)]
+    def drafts(self, num_seqs: int) -> np.ndarray:
+        """[num_seqs, WIDTH - 1] int32: the placeholder ids of the drafts the head makes in the step
+        for each of the first num_seqs sampling sequences."""
+        slots = np.arange(num_seqs, dtype=np.int32)[:, None] * self.width + np.arange(1, self.width, dtype=np.int32)
+        return ~slots
 
     def sequence_of(self, placeholder: int) -> int:
         """The sampling sequence whose slot a placeholder id names."""

@@ -183,19 +183,21 @@ class MTPProposer(Proposer):
         self._drafting: dict[int, bool] = {}  # seq_id -> whether the head drafts in its last launched step
 
     def launched(self, seq_ids: Sequence[int], step: object, drafting: bool,
-                 placeholders: Sequence[Sequence[int]] | None = None) -> None:
+                 placeholders: np.ndarray | None = None) -> None:
         """At the launch of `step` (any object unique to it) over the sampling sequences seq_ids [S]:
         whether the head drafts in it for their next step and, when the step is overlapped, the
-        placeholder ids [S][num_model_steps] its drafts have on the device until it is collected
-        (cupyspec/model/device_tokens.py). A step that does not draft leaves them no drafts."""
-        for s, seq_id in enumerate(seq_ids):
-            self._drafting[seq_id] = drafting
-            if not drafting:
-                self._drafts.pop(seq_id, None)
-            if drafting and placeholders is not None:
-                self._held[seq_id] = step, np.array(placeholders[s], dtype=np.int32)
-            else:
+        placeholder ids [S, num_model_steps] int32 its drafts have on the device until it is
+        collected (cupyspec/model/device_tokens.py). A step that does not draft leaves them no drafts
+        (bookkeeping that runs on every step under load, hence dict-wide operations)."""
+        self._drafting.update(dict.fromkeys(seq_ids, drafting))
+        if placeholders is not None:
+            self._held.update(zip(seq_ids, zip([step] * len(seq_ids), placeholders)))
+        elif self._held:
+            for seq_id in seq_ids:
                 self._held.pop(seq_id, None)
+        if not drafting and self._drafts:
+            for seq_id in seq_ids:
+                self._drafts.pop(seq_id, None)
 
     def remember(self, seq_ids: Sequence[int], fetch: Callable[[], Sequence[np.ndarray]],
                  probs: dict[int, Any] | None = None, step: object = None) -> None:
