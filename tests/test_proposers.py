@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.spec_decode.proposers.base import NO_DRAFTS, DraftRequest, Drafts, NaiveProposer, Proposer
 from cupyspec.spec_decode.proposers.chain import ChainProposer
 from cupyspec.spec_decode.proposers.factory import make_proposer, mtp_proposer
@@ -437,3 +438,11 @@ def test_with_ngram_takes_ngrams_drafts_where_the_text_copies_itself_else_the_he
     assert hybrid.wants_drafts_ahead()  # the head's drafts served one sequence
     hybrid.propose([DraftRequest(1, "a", copying, 4, 3)])
     assert not hybrid.wants_drafts_ahead()  # every sequence copies: the head need not draft
+
+
+def test_the_placeholders_of_a_steps_drafts_name_their_sequences_slots() -> None:
+    tokens = DeviceTokens(np, max_num_seqs=4, num_model_steps=3)
+    placeholders = tokens.drafts(2)
+    assert placeholders.dtype == np.int32 and placeholders.tolist() == [[~1, ~2, ~3], [~5, ~6, ~7]]
+    assert [tokens.sequence_of(int(p)) for p in placeholders.ravel()] == [0, 0, 0, 1, 1, 1]
+    assert tokens.sequence_of(tokens.emitted(1)) == 1 and tokens.emitted(1) not in placeholders
