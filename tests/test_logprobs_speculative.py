@@ -199,7 +199,8 @@ def test_a_steps_logprobs_go_to_the_sequences_that_sampled() -> None:
     """ModelRunner.add_logprobs: sequence 1 only ran its prompt, so its output keeps no logprobs."""
     from types import SimpleNamespace
 
-    from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
+    from cupyspec.engine.runner import LaunchedStep, ModelRunner
+    from cupyspec.engine.step_outputs import SeqStepOutput
     from cupyspec.spec_decode.verification.verify_step import LogprobRequests, StepLogprobs
 
     records = [(TokenLogprob(7, -0.5, [7], [-0.5]),), (TokenLogprob(9, -0.1, [9], [-0.1]),)]

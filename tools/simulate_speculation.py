@@ -37,8 +37,8 @@ from bench_datasets import HUMANEVAL, SHAREGPT, code_rewrite_prompt, humaneval_p
 from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.engine.gc_policy import settle_garbage_collector
-from cupyspec.engine.runner import SeqStepOutput
 from cupyspec.engine.step_inputs import StepInputs
+from cupyspec.engine.step_outputs import SeqStepOutput
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.scheduling.scheduler import SchedulerOutput
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
-from cupyspec.engine.runner import SeqStepOutput
+from cupyspec.engine.step_outputs import SeqStepOutput
 from cupyspec.logprobs.logprob_json import LogprobsJSON
 from cupyspec.metrics import EngineMetrics
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, SpeculateMetrics, TokenLogprob, merge_deltas

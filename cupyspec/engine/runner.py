@@ -24,8 +24,15 @@ import numpy as np
 
 from cupyspec.backend import Backend
 from cupyspec.engine.step_inputs import StepInputs, prepare_inputs
+from cupyspec.engine.step_outputs import (
+    SeqStepOutput,
+    add_prompt_logprobs,
+    sampled_outputs,
+    scattered,
+    verified_outputs,
+)
 from cupyspec.logprobs.graphs import LogprobGraphs
-from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON, VocabJSON
+from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.logprobs.logsoftmax_topk import logprobs_on_device
 from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.cuda_graphs import CudaGraphs
@@ -33,30 +40,17 @@ from cupyspec.model.device_tokens import DeviceTokens
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.model.positions import shift_positions
-from cupyspec.outputs import DraftLogprob, TokenLogprob
 from cupyspec.sampling.sampler import SamplerOutput, max_logprobs, sample_tokens_on_device
 from cupyspec.scheduling.scheduler import SchedulerOutput
 from cupyspec.spec_decode.proposers.mtp import Drafted, MTPDrafting
 from cupyspec.spec_decode.proposers.mtp_graphs import DraftGraphs
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 from cupyspec.spec_decode.verification.verify import VerifyInput, draft_distributions
-from cupyspec.spec_decode.verification.verify_step import LogprobStream, PendingVerdict, StepVerdict, launch_verify
+from cupyspec.spec_decode.verification.verify_step import LogprobStream, PendingVerdict, launch_verify
 from cupyspec.text.token_text import TokenBytes, TokenText
 from cupyspec.transfer import HostTransfer, to_device
 
 SAMPLER_ARRAYS = 4  # sample_on_device's arrays when a row asks for logprobs: tokens, logprobs, top ids and logprobs
-
-
-class SeqStepOutput(NamedTuple):
-    """What one scheduled sequence got from the step (a tuple: one is made per sequence and step)."""
-
-    token_ids: tuple[int, ...] = ()  # emitted tokens; empty for a prefill chunk that ends mid-prompt
-    logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when asked
-    num_drafts: int = 0
-    accepted: tuple[bool, ...] = ()  # per draft
-    draft_logprobs: tuple[DraftLogprob, ...] | None = None  # per draft, when asked
-    prompt_logprobs: tuple[tuple[int, TokenLogprob], ...] = ()  # (prompt position, logprob)
-    logprobs_json: LogprobsJSON | None = None  # one entry per emitted token, when asked rendered
 
 
 class LaunchedStep(NamedTuple):
@@ -73,10 +67,6 @@ class LaunchedStep(NamedTuple):
         """Whether its results, but a verified step's logprobs and the MTP head's drafts, are on the
         host (collecting would not wait; the drafts are waited for when proposed)."""
         return self.transfer.done() and (self.verdict is None or self.verdict.done())
-
-
-def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
-    return TokenLogprob(int(token_id), float(logprob), top_ids[:k].tolist(), top_lps[:k].tolist())
 
 
 class ModelRunner:
@@ -215,17 +205,17 @@ class ModelRunner:
         inputs, host = step.inputs, step.transfer.result()
         outputs = [SeqStepOutput()] * inputs.batch.num_seqs
         if step.verdict is not None:
-            by_sampler = _verified_outputs(step.verdict.result(logprobs), inputs)
+            by_sampler = verified_outputs(step.verdict.result(logprobs), inputs)
         elif step.num_sample_arrays:
             sampled = host[:step.num_sample_arrays]
-            by_sampler = _sampled_outputs(SamplerOutput.from_host(sampled[:SAMPLER_ARRAYS]), sampled[SAMPLER_ARRAYS:],
+            by_sampler = sampled_outputs(SamplerOutput.from_host(sampled[:SAMPLER_ARRAYS]), sampled[SAMPLER_ARRAYS:],
                                           inputs, self.renderer if inputs.logprobs.renders else None)
         else:
             by_sampler = {}
         for s, out in by_sampler.items():
             outputs[inputs.owners[s]] = out
         if inputs.prompt_owner:
-            _add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
+            add_prompt_logprobs(host[step.num_sample_arrays:], inputs, outputs)
         if step.mtp_drafts is not None:
             probs = None
             if step.mtp_probs is not None:
@@ -242,7 +232,7 @@ class ModelRunner:
             return outputs
         per_sampler, owners = step.verdict.logprobs(), step.inputs.owners  # (tokens, rendered, drafts), each [S]
         if len(owners) < len(outputs):  # some sequences only ran their prompts: None for them
-            per_sampler = [_scattered(values, owners, len(outputs)) for values in per_sampler]
+            per_sampler = [scattered(values, owners, len(outputs)) for values in per_sampler]
         tokens, rendered, drafts = per_sampler
         token_ids, _, num_drafts, accepted, _, prompt_logprobs, _ = zip(*outputs)
         # built column by column in C (tuple.__new__ over the zipped columns): there is one output per
@@ -291,58 +281,3 @@ class _Forward(NamedTuple):
     static: bool  # every row's logits are in the graphs' static buffer too
     residual: Any | None  # [T, H] fp32: pre-norm hidden states of an eager step
     batch: DeviceBatch | None  # the eager step's device batch
-
-
-def _scattered(values: tuple, owners: tuple[int, ...], count: int) -> list:
-    """values [S] of the sampling sequences at their scheduled indices owners [S], None elsewhere: [count]."""
-    full = [None] * count
-    for value, i in zip(values, owners):
-        full[i] = value
-    return full
-
-
-def _verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqStepOutput]:
-    """Each sampling sequence's tokens (and logprobs, when asked) from a speculative step's verdict:
-    its accepted drafts, then the bonus or correction token."""
-    drafts = (step.drafts if step.drafts is not None else inputs.drafts).tolist()  # whole arrays at once
-    num_drafts = inputs.num_drafts.tolist()
-    logprobs = step.logprobs
-    outputs = {}
-    for s, (n, emitted) in enumerate(zip(step.num_accepted, step.emitted)):
-        outputs[s] = SeqStepOutput((*drafts[s][:n], emitted), logprobs.tokens[s], num_drafts[s],
-                                   (True,) * n + (False,) * (num_drafts[s] - n), draft_logprobs=logprobs.drafts[s],
-                                   logprobs_json=logprobs.rendered[s])
-    return outputs
-
-
-def _sampled_outputs(out: SamplerOutput, rendered: list[np.ndarray], inputs: StepInputs,
-                     renderer: LogprobRenderer | None) -> dict[int, SeqStepOutput]:
-    """Each sampling sequence's one token (and its logprobs, when asked) from a plain step;
-    rendered: [the host copy of the rendered entries], when a request asked for them."""
-    token_ids = out.token_ids.tolist()
-    wanted = inputs.logprobs.top_logprobs
-    if out.logprobs is None:
-        return {s: SeqStepOutput((token,)) for s, token in enumerate(token_ids)}
-    entries = [None] * len(token_ids)
-    if renderer is not None:
-        render_k, rows = inputs.logprobs.render_k, len(token_ids)
-        bounds = [(s, s + 1) if k >= 0 else None for s, k in enumerate(render_k.tolist())]  # a row each
-        entries = renderer.entries(rendered[0], rows, bounds,
-                                   lambda: (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs,
-                                            out.top_token_ids.shape[1], render_k, rows, rows))
-    lps, top_ids, top_lps = out.logprobs.tolist(), out.top_token_ids.tolist(), out.top_logprobs.tolist()  # whole
-    return {s: SeqStepOutput((token_ids[s],), None if k is None or entries[s] is not None else (
-        TokenLogprob(token_ids[s], lps[s], top_ids[s][:k], top_lps[s][:k]),), logprobs_json=entries[s])
-        for s, k in enumerate(wanted)}
-
-
-def _add_prompt_logprobs(host: list[np.ndarray], inputs: StepInputs, outputs: list[SeqStepOutput]) -> None:
-    """Prompt logprobs from the host copies (logprob [P], top ids [P, K], top logprobs [P, K]) of the
-    prompt rows, into each sequence's output."""
-    lps, top_ids, top_lps = host[0].astype(np.float32), host[1].astype(np.int64), host[2].astype(np.float32)
-    per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
-    for j, (i, position, k) in enumerate(inputs.prompt_owner):
-        per_seq.setdefault(i, []).append(
-            (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
-    for i, pairs in per_seq.items():
-        outputs[i] = outputs[i]._replace(prompt_logprobs=tuple(pairs))

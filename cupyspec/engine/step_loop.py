@@ -18,8 +18,9 @@ import numpy as np
 
 from cupyspec.config import EngineConfig
 from cupyspec.engine.output_processor import OutputProcessor
-from cupyspec.engine.runner import LaunchedStep, ModelRunner, SeqStepOutput
+from cupyspec.engine.runner import LaunchedStep, ModelRunner
 from cupyspec.engine.step_inputs import StepInputs
+from cupyspec.engine.step_outputs import SeqStepOutput
 from cupyspec.engine.worker import InlineSteps, StepThread
 from cupyspec.errors import EngineClosedError
 from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
