@@ -10,7 +10,10 @@ ShareGPT's first reply, at most `--max-tokens`), and a step emits the scripted t
 one, or under speculation the drafts that match the script and one more. The step's device time
 follows a model of the captured graph on an H100 (GRAPH_MS by GRAPH_ROWS, from
 `tools/profile_step.py`; linear between and beyond; plus `--sample-ms` for sampling and the copy,
-plus `--verify-ms` for a step that verifies drafts). The step is waited for when collected, so a
+plus `--verify-ms` for a step that verifies drafts). With `mtp3` an MTP head is modeled: its drafts
+are the script's tokens, each kept with the shipped head's held-out acceptance, and its drafting
+graph and catch-up add their H100 device time; its drafts stay on the modeled device as on the GPU
+(placeholders resolved at verification). The step is waited for when collected, so a
 step that overlaps hides its host work behind the modeled device time as on the GPU. Steps are
 handed to the step thread, as on the CPU; on a GPU the event loop runs them itself
 (cupyspec/engine/worker.py), so the simulated host pays two thread switches a step that the GPU
@@ -46,6 +49,13 @@ from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 GRAPH_ROWS = np.array([1, 8, 64, 256, 512])  # rows of a step
 GRAPH_MS = np.array([0.61, 0.635, 1.385, 2.20, 3.90])  # H100 device ms of the captured step (512: extrapolated)
 MS_PER_ROW_BEYOND = (GRAPH_MS[-1] - GRAPH_MS[-2]) / (GRAPH_ROWS[-1] - GRAPH_ROWS[-2])  # long prefill chunks
+# An MTP head (the method "mtp3"): the shipped head's held-out acceptance of its draft j given the
+# ones before (docs/mtp-smollm2-135m-instruct.md), and the H100 device ms of its 3-step drafting graph,
+# fixed and per sequence (tools/profile_step.py at 1 and 32 sequences), and of its catch-up and
+# K/V mending in a step that does not draft.
+MTP_ACCEPTANCE = (0.737, 0.756, 0.793)
+MTP_DRAFT_MS = (0.25, 0.0052)
+MTP_OTHER_MS = 0.03
 
 
 class Script(NamedTuple):
@@ -56,6 +66,8 @@ class Script(NamedTuple):
 class _Launched(NamedTuple):
     done_at: float  # perf_counter time at which the modeled device finishes the step
     outputs: list[SeqStepOutput]
+    inputs: StepInputs
+    head_drafts: np.ndarray | None = None  # [S, 3] int32: an MTP head's drafts for the step's sequences
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done_at
@@ -70,6 +82,9 @@ class ScriptedDevice:
         self.sample_ms, self.verify_ms = sample_ms, verify_ms
         self._scheds: dict[int, SchedulerOutput] = {}
         self._device_free = 0.0
+        self._length: dict[str, int] = {}  # request id -> tokens it holds once its launched steps are done
+        self._placed: dict[int, int] = {}  # placeholder id -> the MTP draft it stands for (the last step's)
+        self._rng = np.random.default_rng(0)
         prepare = self.runner.prepare
 
         def remembering_prepare(sched: SchedulerOutput, *args: bool) -> StepInputs:
@@ -83,22 +98,48 @@ class ScriptedDevice:
     def launch(self, inputs: StepInputs) -> _Launched:
         sched = self._scheds.pop(id(inputs))
         outputs = [SeqStepOutput()] * inputs.batch.num_seqs
+        head = [] if inputs.draft_ahead else None
         for s, index in enumerate(inputs.owners):
             item = sched.scheduled[index]
-            script = self.scripts[item.seq.request_id]
-            at = item.num_tokens_before  # position of the token this step emits first
-            drafts = inputs.drafts[s, :inputs.num_drafts[s]].tolist()
+            request_id = item.seq.request_id
+            script = self.scripts[request_id] + [0] * 8  # (the tokens past its end: a step in flight may ask)
+            at = self._length.get(request_id, item.num_tokens_before)  # position of the first token it emits
+            drafts = [self._placed.get(d, -1) if d < 0 else d  # an MTP draft still on the device: its token
+                      for d in inputs.drafts[s, :inputs.num_drafts[s]].tolist()]
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == script[at + accepted]:
                 accepted += 1
             outputs[index] = SeqStepOutput(tuple(script[at:at + accepted + 1]), None, len(drafts),
                                            tuple(j < accepted for j in range(len(drafts))))
+            self._length[request_id] = at + accepted + 1
+            if head is not None:
+                head.append(self._head_drafts(script, at + accepted + 1))
         rows = inputs.batch.num_tokens
         device_ms = float(np.interp(rows, GRAPH_ROWS, GRAPH_MS)) + MS_PER_ROW_BEYOND * max(0, rows - GRAPH_ROWS[-1])
         device_ms += self.sample_ms
         device_ms += self.verify_ms if inputs.num_drafts.any() else 0.0
+        head_drafts = None
+        if self.runner.mtp is not None:
+            device_ms += MTP_OTHER_MS + (MTP_DRAFT_MS[0] + MTP_DRAFT_MS[1] * len(head) if head else 0.0)
+            if head:
+                head_drafts = np.array(head, dtype=np.int32)
+                placeholders = self.runner.tokens.drafts(len(head))
+                self._placed = dict(zip(placeholders.ravel().tolist(), head_drafts.ravel().tolist()))
         self._device_free = max(time.perf_counter(), self._device_free) + device_ms / 1e3
-        return _Launched(self._device_free, outputs)
+        return _Launched(self._device_free, outputs, inputs, head_drafts)
+
+    def forget(self, request_id: str) -> None:
+        self._length.pop(request_id, None)
+
+    def _head_drafts(self, script: list[int], position: int) -> list[int]:
+        """An MTP head's drafts for a sequence whose next token is at `position`: its script's tokens
+        while each is kept with MTP_ACCEPTANCE, then tokens it does not hold."""
+        drafts, kept = [], True
+        for j, acceptance in enumerate(MTP_ACCEPTANCE):
+            true = script[position + j]
+            kept = kept and self._rng.random() < acceptance
+            drafts.append(true if kept else true + 1)
+        return drafts
 
     def collect(self, step: _Launched, logprobs: bool = True) -> list[SeqStepOutput]:
         """Sleep until the modeled device is done (no spinning: it would hold the GIL that the engine's
@@ -106,6 +147,10 @@ class ScriptedDevice:
         wait = step.done_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+        if step.head_drafts is not None:
+            drafts = step.head_drafts
+            logprobs = np.zeros(drafts.shape, np.float32)
+            self.runner.mtp.proposer.remember(step.inputs.seq_ids, lambda: (drafts, logprobs), None, step.inputs)
         return step.outputs
 
 
@@ -147,6 +192,7 @@ async def run(engine: AsyncEngine, device: ScriptedDevice, scripts: list[Script]
                 if out.finished and out.speculate_metrics is not None:
                     steps += out.speculate_metrics.num_steps
             del device.scripts[request_id]
+            device.forget(request_id)
 
     start, cpu_start = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -156,7 +202,9 @@ async def run(engine: AsyncEngine, device: ScriptedDevice, scripts: list[Script]
 
 METHODS: dict[str, dict[str, Any] | None] = {"none": None,
                                               "ngram5": {"method": "ngram", "num_speculative_tokens": 5},
-                                              "suffix5": {"method": "suffix", "num_speculative_tokens": 5}}
+                                              "suffix5": {"method": "suffix", "num_speculative_tokens": 5},
+                                              "mtp3": {"method": "mtp", "num_speculative_tokens": 3,
+                                                       "num_model_steps": 3}}
 
 
 async def run_method(label: str, args: argparse.Namespace, scripts: dict[str, list[Script]] | None,
@@ -204,7 +252,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sharegpt-path", type=Path, default=None)
     p.add_argument("--humaneval-path", type=Path, default=None)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "cupyspec" / "datasets")
-    p.add_argument("--methods", nargs="*", default=None, help="of none, ngram5, suffix5 (default: all)")
+    p.add_argument("--methods", nargs="*", default=None, help="of none, ngram5, suffix5, mtp3 (default: all)")
     p.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--num-prompts", type=int, default=16, help="at least twice the concurrency are run")
