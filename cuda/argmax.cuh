@@ -5,7 +5,7 @@
 // Thread t scans its columns in increasing order, keeping the first best and, with the sum, the
 // running sum of exp(x - its best so far), rescaled when the best rises (online softmax). It reads
 // float4s, ARGMAX_UNROLL of them in flight, where the row allows (16-byte aligned, vocab % 4 == 0):
-// a row is one block's, and one load at a time left the block waiting on memory latency. The
+// a row is one block's, and one load at a time would leave the block waiting on memory latency. The
 // threads' states then meet in a tree that prefers the lower index on ties, so the pick is NumPy's
 // whatever the order of the merges.
 #pragma once
