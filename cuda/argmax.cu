@@ -73,12 +73,8 @@ extern "C" __global__ void argmax_logprob_combine(
     const long long base = (long long)blockIdx.x * chunks;
     Best best{part_value[base], part_index[base]};
     float sum = part_sum[base];
-    for (int c = 1; c < chunks; ++c) {  // in column order: ties keep the earlier chunk's pick
-        const Best other{part_value[base + c], part_index[base + c]};
-        const Best merged = beats(other.value, other.index, best) ? other : best;
-        sum = rescaled(sum, best.value, merged.value) + rescaled(part_sum[base + c], other.value, merged.value);
-        best = merged;
-    }
+    for (int c = 1; c < chunks; ++c)  // in column order: ties keep the earlier chunk's pick
+        merge_scans(best, sum, Best{part_value[base + c], part_index[base + c]}, part_sum[base + c]);
     out[blockIdx.x] = best.index;
     logprob[blockIdx.x] = -logf(sum);
 }

@@ -30,6 +30,13 @@ __device__ __forceinline__ float rescaled(float sum, float from, float to) {
     return sum == 0.f ? 0.f : sum * __expf(from - to);
 }
 
+// Merge another scan's state (other, other_sum) into (best, sum): the better pick, the sums moved to it.
+__device__ __forceinline__ void merge_scans(Best& best, float& sum, const Best& other, float other_sum) {
+    const Best merged = beats(other.value, other.index, best) ? other : best;
+    sum = rescaled(sum, best.value, merged.value) + rescaled(other_sum, other.value, merged.value);
+    best = merged;
+}
+
 template <bool WITH_SUM>
 __device__ __forceinline__ void scan_value(float v, long long i, Best& best, float& sum) {
     if (beats(v, i, best)) {
@@ -76,13 +83,12 @@ __device__ __forceinline__ long long block_scan(const float* __restrict__ row, l
     __syncthreads();
     for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
         if (threadIdx.x < stride) {
-            const Best mine = best_s[threadIdx.x], other = best_s[threadIdx.x + stride];
-            const Best merged = beats(other.value, other.index, mine) ? other : mine;
+            const Best other = best_s[threadIdx.x + stride];
             if (WITH_SUM) {
-                sum_s[threadIdx.x] = rescaled(sum_s[threadIdx.x], mine.value, merged.value)
-                                     + rescaled(sum_s[threadIdx.x + stride], other.value, merged.value);
+                merge_scans(best_s[threadIdx.x], sum_s[threadIdx.x], other, sum_s[threadIdx.x + stride]);
+            } else if (beats(other.value, other.index, best_s[threadIdx.x])) {
+                best_s[threadIdx.x] = other;
             }
-            best_s[threadIdx.x] = merged;
         }
         __syncthreads();
     }

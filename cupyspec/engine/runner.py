@@ -209,7 +209,7 @@ class ModelRunner:
         elif step.num_sample_arrays:
             sampled = host[:step.num_sample_arrays]
             by_sampler = sampled_outputs(SamplerOutput.from_host(sampled[:SAMPLER_ARRAYS]), sampled[SAMPLER_ARRAYS:],
-                                          inputs, self.renderer if inputs.logprobs.renders else None)
+                                         inputs, self.renderer if inputs.logprobs.renders else None)
         else:
             by_sampler = {}
         for s, out in by_sampler.items():

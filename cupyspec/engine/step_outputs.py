@@ -54,7 +54,7 @@ def verified_outputs(step: StepVerdict, inputs: StepInputs) -> dict[int, SeqStep
 
 
 def sampled_outputs(out: SamplerOutput, rendered: list[np.ndarray], inputs: StepInputs,
-                     renderer: LogprobRenderer | None) -> dict[int, SeqStepOutput]:
+                    renderer: LogprobRenderer | None) -> dict[int, SeqStepOutput]:
     """Each sampling sequence's one token (and its logprobs, when asked) from a plain step;
     rendered: [the host copy of the rendered entries], when a request asked for them."""
     token_ids = out.token_ids.tolist()

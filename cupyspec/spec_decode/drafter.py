@@ -229,7 +229,7 @@ class Drafter:
             drafts = drafts.first(limits[seq.seq_id])
             seq.draft_token_ids = drafts.token_ids.tolist()
             seq.proposal = drafts if drafts.probs is not None or drafts.logprobs is not None else None
-            if seq.draft_token_ids or not self.proposer.drafts_ahead:  # (else the head did not run: no answer)
+            if self.proposer.answered(len(seq.draft_token_ids)):
                 seq.spec.record_proposal(bool(seq.draft_token_ids))
         self.drafts_ahead = self.drafts_ahead and self.proposer.wants_drafts_ahead()
 

@@ -56,7 +56,7 @@ class ShadowProbes:
                                  limit) for seq, known, limit in due]
         for (seq, known, limit), drafts in zip(due, proposer.propose(requests)):
             self._probed_at[seq.seq_id] = seq.spec.num_steps
-            if len(drafts) or not proposer.drafts_ahead:  # (else the head did not run: no answer)
+            if proposer.answered(len(drafts)):
                 seq.spec.record_proposal(len(drafts) > 0)
             if len(drafts):
                 self._pending[seq.seq_id] = (known, drafts.token_ids[:limit].tolist())

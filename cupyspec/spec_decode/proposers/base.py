@@ -102,12 +102,17 @@ class Proposer(abc.ABC):
     tracks_sequences: bool = False
     # True if a sequence's drafts are made on the device in the step before they are asked for, and
     # only when that step drafts ahead (an MTP head): an empty answer then says the head did not
-    # run, not that it found nothing, and does not count against the sequence's hit rate.
+    # run, not that it found nothing, and does not count against the sequence's hit rate (`answered`).
     drafts_ahead: bool = False
 
     @abc.abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         """One `Drafts` per request, in order, each with at most `max_drafts` tokens."""
+
+    def answered(self, num_drafts: int) -> bool:
+        """Whether a proposal of num_drafts drafts counts in the sequence's hit rate: any, but an empty
+        one of a proposer that drafts ahead (its drafts were not made)."""
+        return num_drafts > 0 or not self.drafts_ahead
 
     def wants_drafts_ahead(self) -> bool:
         """Whether a proposer that drafts ahead needs the step being formed to draft for the next one,

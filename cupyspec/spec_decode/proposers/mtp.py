@@ -114,9 +114,9 @@ class MTPDrafting:
         guess."""
         xp = self.head.target.backend.xp
         rows = xp.arange(len(tokens), dtype=np.int32)  # [S]
-        batch = DeviceBatch(tokens.astype(np.int32), positions, rows, _slots(block_tables, rows, positions,
-                                                                             kv.block_size), block_tables, previous)
-        self.head.write_kv(hidden, batch, kv)
+        slots = _slots(block_tables, rows, positions, kv.block_size)  # [S]
+        self.head.write_kv(hidden, DeviceBatch(tokens.astype(np.int32), positions, rows, slots, block_tables, previous),
+                           kv)
 
     def mend_from(self, hidden: Any, batch: DeviceBatch, boundary_rows: Any, tokens: Any, kv: KVCacheArrays) -> None:
         """`mend` at the boundary rows [S] of an eager step: hidden [T, H], the step's batch."""
