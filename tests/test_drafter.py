@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import groupby
 
 import pytest
-from spec_fixtures import ConstantProposer, decoding_seq
+from spec_fixtures import ConstantProposer, decoding_seq, rule_alone
 
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.backoff.step_cost import MIN_DRAFTING_STEPS, MIN_PLAIN_STEPS, StepCost, StepShape
@@ -25,8 +25,10 @@ HOPELESS = StepCost(1e-3, 0.0, per_drafting_seq=3e-4)  # a drafting sequence add
 
 
 def _drafter(cost: StepCost | None = None, **config) -> Drafter:
-    """A drafter under the cost-aware rule whose cost fit, if `cost` is given, always answers `cost`."""
-    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3, **config), ConstantProposer())
+    """A drafter under the cost-aware rule whose cost fit, if `cost` is given, always answers `cost`;
+    the rule alone (`rule_alone`)."""
+    drafter = rule_alone(Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3, **config),
+                                 ConstantProposer()))
     if cost is not None:
         drafter.step_cost.fit = lambda sequences: cost
     return drafter
@@ -91,7 +93,7 @@ def test_until_the_cost_fit_is_ready_one_step_in_a_few_drafts():
         plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
         refilled = len(plans) > 1 and plans[-2] > 0  # under overlap scheduling, the step after a drafting one
         drafter.observe_step(StepShape(1 + plans[-1], plans[-1] > 0, plans[-1], refilled=refilled),
-                             1e-3 + 1e-3 * (plans[-1] > 0))
+                             1e-3 + 1e-3 * (plans[-1] > 0), 1 + plans[-1])
     drafting = [i for i, k in enumerate(plans) if k]
     assert all(plans[i] == 3 for i in drafting)  # every draft the sequence may ask for
     assert all(later - earlier > 2 for earlier, later in zip(drafting, drafting[1:]))
@@ -111,7 +113,7 @@ def test_while_drafting_pays_a_draft_free_step_now_and_then_keeps_its_price_curr
     for _ in range(4 * EXPLORE_STEPS):
         plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
         refilled = overlap and len(plans) > 1 and plans[-2] > 0 and not plans[-1]
-        drafter.observe_step(StepShape(4, plans[-1] > 0, refilled=refilled), 1e-3)
+        drafter.observe_step(StepShape(4, plans[-1] > 0, refilled=refilled), 1e-3, 4)
     draft_free_runs = [length for drafting, length in _runs(plans)[:-1] if not drafting]  # the last may be cut
     assert len(draft_free_runs) >= 2  # they keep coming
     assert all(length == (2 if overlap else 1) for length in draft_free_runs)  # as many as the fit needs
@@ -124,12 +126,12 @@ def test_at_an_unchanged_batch_drafting_runs_longer_before_a_draft_free_step():
     def first_draft_free_step(rows_of_last_draft_free_step: int) -> int | None:
         drafter = _drafter(FREE)
         seq = decoding_seq(3)
-        drafter.observe_step(StepShape(rows_of_last_draft_free_step), 1e-3)
+        drafter.observe_step(StepShape(rows_of_last_draft_free_step), 1e-3, 1)
         for step in range(2 * SAME_ROWS_STREAK_FACTOR * EXPLORE_STEPS):
             drafts = drafter.plan([seq]).get(seq.seq_id, 0)
             if not drafts:
                 return step
-            drafter.observe_step(StepShape(1 + drafts, 1, drafts), 1e-3)
+            drafter.observe_step(StepShape(1 + drafts, 1, drafts), 1e-3, 1 + drafts)
         return None
 
     changed, unchanged = first_draft_free_step(4), first_draft_free_step(1)  # the batch has 1 row
@@ -144,7 +146,7 @@ def _explorations(drafter: Drafter, seqs: list[Sequence], step_seconds: float, s
         drafter._budget = 1.0
         plans.append(drafter.plan(seqs))
         drafter.observe_step(StepShape(len(seqs), sum(k > 0 for k in plans[-1].values()), sequences=len(seqs)),
-                             step_seconds)
+                             step_seconds, len(seqs))
     return plans
 
 
@@ -220,7 +222,8 @@ def test_an_exploring_step_that_took_long_makes_the_next_one_wait():
             exploring.append(waited)
             waited = 0.0
         seconds = exploring_seconds if drafting else plain_seconds
-        drafter.observe_step(StepShape(len(seqs) + 3 * drafting, drafting, 3 * drafting, sequences=len(seqs)), seconds)
+        drafter.observe_step(StepShape(len(seqs) + 3 * drafting, drafting, 3 * drafting, sequences=len(seqs)), seconds,
+                             len(seqs))
         waited += 0.0 if drafting else seconds
     assert len(exploring) >= 2  # it waits, and explores again
     assert all(exploring_seconds - plain_seconds <= since / EXPLORE_STEPS * (1 + 1e-9) for since in exploring[1:])
@@ -233,7 +236,7 @@ def test_an_exploring_step_verifies_a_sequence_whatever_its_acceptance():
     for _ in range(4 * EXPLORE_STEPS):
         drafter._budget = 1.0
         plans.append(drafter.plan([seq]).get(seq.seq_id, 0))
-        drafter.observe_step(StepShape(1, plans[-1] > 0), 1e-3)
+        drafter.observe_step(StepShape(1, plans[-1] > 0), 1e-3, 1)
         if plans[-1]:
             break
     assert plans[0] == 0
@@ -251,7 +254,7 @@ def test_a_head_drafts_only_while_the_plan_drafts_and_is_primed_before_an_explor
     anyone, so where drafting does not pay the head costs nothing. An exploring step after steps in
     which it did not run comes twice: the first primes the head (the step before made no drafts for
     it), the second verifies and is the one priced."""
-    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), DraftingAhead())
+    drafter = rule_alone(Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), DraftingAhead()))
     drafter.step_cost.fit = lambda sequences: HOPELESS
     seqs = _candidates()
     added = HOPELESS.drafting_seconds(3 * EXPLORE_SEQS, EXPLORE_SEQS)
@@ -264,7 +267,7 @@ def test_a_head_drafts_only_while_the_plan_drafts_and_is_primed_before_an_explor
         priced.append(drafter._exploring_step)
         priming = ahead[-1] and (len(ahead) < 2 or not ahead[-2])
         drafting = 0 if priming else sum(k > 0 for k in plans[-1].values())
-        drafter.observe_step(StepShape(len(seqs), drafting, sequences=len(seqs), priming=priming), 1e-3)
+        drafter.observe_step(StepShape(len(seqs), drafting, sequences=len(seqs), priming=priming), 1e-3, len(seqs))
     assert ahead == [any(plan.values()) for plan in plans]
     exploring = _exploring_steps(plans)
     assert len(exploring) >= 4 and len(exploring) % 2 == 0

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from spec_fixtures import rule_alone
 from test_engine import collect, prompts
 from test_engine import make_engine as make_tiny_engine
 from tiny_models import tiny_model_paths
@@ -148,7 +149,7 @@ def test_a_speculating_engine_overlaps_the_steps_that_do_not_draft(tiny_gguf):
         got, counts = {}, {}
         for name, cost in costs.items():
             engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
-            engine.drafter.step_cost.fit = lambda sequences, cost=cost: cost
+            rule_alone(engine.drafter).step_cost.fit = lambda sequences, cost=cost: cost
             got[name] = await run_workload(engine, workload(stop_token))
             counts[name] = overlapped_steps(engine), verified_drafts(engine), engine.stats().num_used_kv_blocks
             await engine.shutdown()
@@ -170,9 +171,10 @@ def test_the_engine_reports_each_steps_shape_to_the_cost_model(tiny_gguf):
 
     async def main():
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
-        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts whenever found
+        # drafting is free: drafts whenever found
+        rule_alone(engine.drafter).step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)
         shapes, observe = [], engine.drafter.observe_step
-        engine.drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
+        engine.drafter.observe_step = lambda shape, *args: (shapes.append(shape), observe(shape, *args))
         await run_workload(engine, [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
                                     for p in prompts(6, 3)])
         verified, accepted = verified_drafts(engine), engine.metrics.spec_accepted.value()
@@ -304,7 +306,8 @@ def test_steps_on_the_event_loop_give_the_outputs_of_the_step_thread(tiny_gguf, 
         stop_token, want = await plain_workload(tiny_gguf)
         monkeypatch.setattr(step_loop, "StepThread", lambda name: InlineSteps())
         engine = await make_engine(tiny_gguf, overlap=True, speculative=ngram)
-        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
+        # drafting is free: drafts when it can
+        rule_alone(engine.drafter).step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)
         got = await run_workload(engine, workload(stop_token))
         counts = overlapped_steps(engine), verified_drafts(engine), engine.stats().num_used_kv_blocks
         await engine.shutdown()
@@ -384,7 +387,8 @@ def test_a_stop_string_inside_an_accepted_run_cuts_it_after_the_next_step_was_fo
     async def main():
         monkeypatch.setattr(engine_module, "IncrementalDetokenizer", CountingDetokenizer)
         engine = await make_engine(tiny_gguf, overlap=True, speculative=accept_all)
-        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)  # drafting is free: drafts when it can
+        # drafting is free: drafts when it can
+        rule_alone(engine.drafter).step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)
         placed, place_tokens = [], engine.outputs.place_tokens
         engine.outputs.place_tokens = lambda sched, outputs: placed.append(place_tokens(sched, outputs)) or placed[-1]
         finished, on_finished = [], engine.outputs.on_sequence_finished

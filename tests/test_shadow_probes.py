@@ -29,7 +29,8 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
         seq.output_token_ids.append(emitted)
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)  # the drafts of an exploring step are not verified here
-        drafter.observe_step(StepShape(1, drafts > 0), 0.1)  # a share of it is the budget for probes
+        # a share of its 0.1 s is the budget for probes
+        drafter.observe_step(StepShape(1, drafts > 0), 0.1, 1 + drafts * recovers)
     chosen = [drafts for drafts, exploring in plans if not exploring]
     assert chosen[0] == 0
     if recovers:
@@ -58,5 +59,5 @@ def test_shadow_probes_have_a_budget_of_their_own():
         seq.output_token_ids.append(DRAFTED_TOKEN)  # what the proposer drafts: its probes are kept
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)
-        drafter.observe_step(StepShape(1), 1e-3)
+        drafter.observe_step(StepShape(1), 1e-3, 1)
     assert seq.spec.draft_acceptance > 0.5

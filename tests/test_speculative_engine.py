@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from spec_fixtures import rule_alone
 from tiny_models import tiny_model_paths
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -166,7 +167,7 @@ def test_suffix_decoding_accepts_more_when_a_prompt_comes_again(tiny_gguf, cost_
 
     async def main():
         engine = await make_engine(tiny_gguf, method="suffix", num_speculative_tokens=5, cost_aware_backoff=cost_aware)
-        engine.drafter.step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)
+        rule_alone(engine.drafter).step_cost.fit = lambda sequences: StepCost(1e-3, 0.0)
         first = await collect(engine, prompt, GREEDY)
         for _ in range(100):  # the idle engine caches the response
             await asyncio.sleep(0.001)
@@ -210,7 +211,7 @@ def test_a_step_whose_sequences_asked_for_drafts_and_got_none_is_a_draft_free_st
         drafter.proposer = Missing()
         shapes, plans = [], []
         observe, plan = drafter.observe_step, drafter.plan
-        drafter.observe_step = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
+        drafter.observe_step = lambda shape, *args: (shapes.append(shape), observe(shape, *args))
         drafter.plan = lambda running: plans.append(plan(running)) or plans[-1]
         await collect(engine, REPEAT, GREEDY)
         await engine.shutdown()
@@ -226,7 +227,7 @@ def test_the_cost_aware_rule_drafts_fully_when_drafts_are_free_and_rarely_when_t
 
     async def metrics_with(cost: StepCost):
         engine = await make_engine(tiny_gguf, method="ngram", num_speculative_tokens=3, cost_aware_backoff=True)
-        engine.drafter.step_cost.fit = lambda sequences: cost
+        rule_alone(engine.drafter).step_cost.fit = lambda sequences: cost
         out = await collect(engine, REPEAT, params)
         await engine.shutdown()
         return out["out"].speculate_metrics

@@ -32,7 +32,7 @@ from cupyspec.config import EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.engine.gc_policy import settle_garbage_collector
 from cupyspec.sampling.params import SamplingParams
-from cupyspec.spec_decode.backoff.step_cost import LOAD_BANDS, StepCost, StepShape
+from cupyspec.spec_decode.backoff.step_cost import LOAD_BANDS, StepCost, StepShape, load_band
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 PHASES = {  # attribute path on the engine -> method names to time
@@ -133,6 +133,7 @@ async def main(args: argparse.Namespace) -> None:
 
         engine.runner.graphs.run = counted_run
     shapes: list[tuple[StepShape, float]] = []  # what the drafter's cost model saw
+    checked_off = [0]  # turns in which the goodput check had the load band's drafting off
     if engine.drafter is not None:
         plan, observe = engine.drafter.plan, engine.drafter.observe_step
 
@@ -140,9 +141,10 @@ async def main(args: argparse.Namespace) -> None:
             last_plan[0] = plan(*args)
             return last_plan[0]
 
-        def traced_observe(shape: StepShape, seconds: float) -> None:
+        def traced_observe(shape: StepShape, seconds: float, emitted: int) -> None:
             shapes.append((shape, seconds))
-            observe(shape, seconds)
+            checked_off[0] += not engine.drafter.goodput.drafting(load_band(shape.sequences))
+            observe(shape, seconds, emitted)
 
         engine.drafter.plan, engine.drafter.observe_step = traced_plan, traced_observe
     try:
@@ -151,6 +153,7 @@ async def main(args: argparse.Namespace) -> None:
         trace.clear()
         eager[0] = 0
         shapes.clear()
+        checked_off[0] = 0
         started = time.perf_counter()
         totals = await serve(engine, prompts, args.concurrency, args.endpoint, extra)
         seconds = time.perf_counter() - started
@@ -166,6 +169,7 @@ async def main(args: argparse.Namespace) -> None:
                          for name in sorted(timer.calls, key=lambda n: -timer.seconds[n])}}
     report["by_running"] = by_running(trace)
     if shapes:
+        report["goodput_check_off_share"] = checked_off[0] / len(shapes)
         report["step_costs"] = step_costs(shapes, engine.drafter.step_cost.fit)
     print(json.dumps(report, indent=1))
 

@@ -150,6 +150,15 @@ def _draft_sampling(targets: _TargetRows) -> DraftSampling | None:
                          np.array([targets.keys[s] for s in rows], dtype=np.uint64))
 
 
+def _next_tokens(batch: FlatBatch, afters: list[int]) -> np.ndarray:
+    """[T] int32: the token after each row of the batch, the next row's within a segment and `afters`
+    [B] after each segment's last row."""
+    next_ids = np.empty_like(batch.input_ids)
+    next_ids[:-1] = batch.input_ids[1:]
+    next_ids[batch.cu_seqlens_q[1:] - 1] = afters
+    return next_ids
+
+
 def prepare_inputs(sched: SchedulerOutput, block_size: int, device_tokens: DeviceTokens | None = None,
                    draft_ahead: bool = True) -> StepInputs:
     """The flat batch of the scheduled segments (each a prefill chunk, one token, or [last token,
@@ -161,7 +170,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device_tokens: Devic
     whether the head drafts for the next step (`draft_ahead`)."""
     for_mtp = device_tokens is not None
     token_ids: list[int] = []
-    next_token_ids: list[int] = []
+    afters: list[int] = []  # with an MTP head: the token after each segment's last row
     shifted: list[tuple[int, int, int]] = []  # (first row, rows, sequence index in the step in flight)
     lengths, starts, block_ids = [], [], []
     targets, prompt = _TargetRows(), _PromptRows()
@@ -172,8 +181,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device_tokens: Devic
         segment = item.token_ids + drafts
         token_ids += segment
         if for_mtp:
-            after = [0] if item.samples else seq.tokens(start + n, start + n + 1)
-            next_token_ids += segment[1:] + after
+            afters.append(0 if item.samples else seq.tokens(start + n, start + n + 1)[0])
             if seq.num_held_drafts:  # the segment starts at the place its step in flight holds
                 shifted.append((row, n + len(drafts), device_tokens.sequence_of(segment[0])))
         lengths.append(n + len(drafts))
@@ -192,8 +200,9 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device_tokens: Devic
         shift_from = np.full(len(token_ids), -1, dtype=np.int32)
         for first, rows, s in shifted:
             shift_from[first:first + rows] = s
+    batch = flat_batch(token_ids, lengths, starts, block_ids, block_size)
     return StepInputs(
-        batch=flat_batch(token_ids, lengths, starts, block_ids, block_size),
+        batch=batch,
         target_rows=np.array(targets.rows, dtype=np.int64),
         sampling=tuple(targets.sampling),
         accept_uniforms=accept_uniforms,
@@ -210,7 +219,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device_tokens: Devic
         draft_probs=tuple(p.probs if p is not None else None for p in targets.proposals) if proposed else (),
         draft_logprobs=_draft_logprobs(targets.proposals, drafts.shape[1]) if proposed else None,
         seq_ids=tuple(sched.scheduled[i].seq.seq_id for i in targets.owners) if for_mtp else (),
-        next_token_ids=np.array(next_token_ids, dtype=np.int32) if for_mtp else None,
+        next_token_ids=_next_tokens(batch, afters) if for_mtp else None,
         draft_sampling=_draft_sampling(targets) if for_mtp and draft_ahead else None,
         draft_ahead=for_mtp and draft_ahead,
         shift_from=shift_from,

@@ -67,6 +67,7 @@ class StepLoop:
         self.aborts: set[str] = set()  # request ids to abort at the next turn
         self.wake = asyncio.Event()  # set when a request, an abort or shutdown comes
         self.closed = False
+        self._emitted = 0  # tokens collected since the last turn was observed
 
     def abort(self, request_id: str) -> None:
         self.aborts.add(request_id)
@@ -107,8 +108,8 @@ class StepLoop:
                 if self.drafter is not None:
                     self.drafter.after_step(self.scheduler.running)
                     now = time.perf_counter()
-                    self.drafter.observe_step(shape, now - mark)
-                    mark = now
+                    self.drafter.observe_step(shape, now - mark, self._emitted)
+                    mark, self._emitted = now, 0
         except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
             log.exception("engine step failed")
             self.closed = True
@@ -207,7 +208,9 @@ class StepLoop:
                        logprobs: bool = True) -> list[SeqStepOutput]:
         """A launched step's outputs, once the device has them on the host (see ModelRunner.collect)."""
         await steps.until(launched.ready)
-        return await steps.run(self.runner.collect, launched, logprobs)
+        outputs = await steps.run(self.runner.collect, launched, logprobs)
+        self._emitted += sum(len(out.token_ids) for out in outputs)
+        return outputs
 
     async def _idle(self) -> None:
         """Nothing to run: do the proposer's deferred work a slice at a time, then wait for a request."""

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence as Seq
 
 from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.backoff.goodput import GoodputCheck
 from cupyspec.spec_decode.backoff.policy import draft_limits
 from cupyspec.spec_decode.backoff.shadow import ShadowProbes
 from cupyspec.spec_decode.backoff.step_cost import StepCostModel, StepShape, load_band
@@ -54,6 +55,7 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
         self.step_cost = StepCostModel()  # what rows and drafting cost, for the back-off rule
+        self.goodput = GoodputCheck()  # per load band, whether drafting emits more per second than not
         self.num_steps = 0  # engine steps observed
         self.contexts = Contexts()  # each sequence's tokens as an array, for the proposer
         self.shadows = ShadowProbes(self.contexts)
@@ -92,9 +94,12 @@ class Drafter:
             return SpecStats()
         return SpecStats.expecting(self._accepted / self._tested, self._hits / self._proposals)
 
-    def observe_step(self, shape: StepShape, seconds: float) -> None:
-        """One engine step's wall time and shape (step_cost.py)."""
+    def observe_step(self, shape: StepShape, seconds: float, emitted: int) -> None:
+        """One engine turn: the shape of the step it launched and its wall time (step_cost.py), and
+        the tokens it emitted (goodput.py)."""
         self.step_cost.observe(shape, seconds)
+        if self.config.cost_aware_backoff:
+            self.goodput.observe(load_band(shape.sequences), emitted, seconds)
         self.num_steps += 1
         if shape.drafting and not self._exploring_step:  # drafting pays somewhere: exploring backs off no more
             self._drafted_since_exploring, self._backoff = True, 1
@@ -138,7 +143,11 @@ class Drafter:
         ones drafted since the last exploring step, and is 1 again at the first that does.
         Exploring lets drafting resume at a load where it pays after a cost learned at another
         stopped it (drafting at one sequence is one sequence drafting and one synchronous step at
-        once, which no fit can tell apart)."""
+        once, which no fit can tell apart). Over all of it, in the windows where the goodput check
+        has the load band off (goodput.py), nobody drafts."""
+        if self.config.cost_aware_backoff and not self.goodput.drafting(load_band(len(running))):
+            self._primed = None  # drafting emits less than not at this load (goodput.py)
+            return {}
         if self._primed is not None:  # the head drafted for this exploring step in the one before
             rule, self._primed = self._primed, None
             return self._explore(running, rule)

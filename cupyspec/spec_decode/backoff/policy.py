@@ -17,6 +17,8 @@
    sequences and repetitive text every useful draft is taken; as the batch grows, or proposals
    miss, a draft must be likelier to be kept to pay for itself, and speculation stops.
 4. A step holds at most `max_draft_tokens_per_step` drafts in all: the likeliest ones.
+5. The cost fits predict; a goodput check measures (`goodput.py`): where, at the present load, the
+   rule's drafting emits fewer tokens per second than no drafting, nobody drafts for a while.
 """
 
 from __future__ import annotations

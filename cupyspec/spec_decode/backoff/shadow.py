@@ -35,6 +35,8 @@ class ShadowProbes:
         """Score the pending shadow drafts whose tokens are on the host, then ask the proposer anew for
         the decoding sequences that are due (PROBE_INTERVAL steps since their last probe) and were not
         asked for real drafts this step (seq_ids in `asked`); at most `most` of them (None: all)."""
+        if not (self._pending or proposer.has_drafts()):
+            return
         due: list[tuple[Sequence, int, int]] = []  # (sequence, tokens known on the host, most drafts)
         for seq in running:
             if not seq.max_drafts or seq.seq_id in asked or not seq.output_token_ids:

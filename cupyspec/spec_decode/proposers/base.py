@@ -114,6 +114,11 @@ class Proposer(abc.ABC):
         one of a proposer that drafts ahead (its drafts were not made)."""
         return num_drafts > 0 or not self.drafts_ahead
 
+    def has_drafts(self) -> bool:
+        """Whether some sequence may get drafts now: a proposer that drafts ahead has none after steps
+        in which it did not draft, and shadow probes would ask it for nothing."""
+        return True
+
     def wants_drafts_ahead(self) -> bool:
         """Whether a proposer that drafts ahead needs the step being formed to draft for the next one,
         as its last proposals suggest (the drafter asks right after them)."""

@@ -215,6 +215,9 @@ class MTPProposer(Proposer):
             if held is not None and held[0] is step:
                 del self._held[seq_id]
 
+    def has_drafts(self) -> bool:
+        return bool(self._drafts or self._held)
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         proposals = []
         for request in requests:

@@ -1,0 +1,80 @@
+"""Whether drafting pays at the present load, measured on what the engine emits: the back-off rule's
+guarantee (speculation never below no speculation, at any load) checked rather than predicted.
+
+The cost fits (step_cost.py) price each step from its shape, one turn of the loop at a time. Where a
+step's cost shows in another turn's wall time they misprice drafting: an MTP head drafts on the
+device in one step for the next, while the host works on the turn after, and where the host bounds
+the step its extra work on drafted tokens lands wherever it is done. So the turns are also taken in
+windows of WINDOW_TURNS per load band, each window in one mode, drafting (the rule decides) or off
+(nobody drafts), and a window's tokens emitted per second is compared with the other mode's last
+window. A trial that emits more takes the lead, and the mode it took it from is tried again at once,
+so that one slow window (a burst of prompts, a pause of the host) decides nothing for long. A trial
+that emits less waits, so that trials cost at most TRIAL_SHARE of the time: a mode that lost by a
+share d waits d / TRIAL_SHARE windows (at least one, at most MAX_WAIT, so that a change of load is
+noticed within seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WINDOW_TURNS = 32  # turns of a window; a load band changes little within it
+SETTLE_TURNS = 2  # a window's first turns, not counted: they finish the steps of the mode before
+TRIAL_SHARE = 0.01  # of the time, at most, spent trying the mode that emitted less
+MAX_WAIT = 64  # windows, at most, before the mode that emitted less is tried again
+
+
+@dataclass
+class _Band:
+    """One load band's modes: the one leading, the one measured now, and each one's tokens per second
+    in its last window."""
+
+    leading: bool = True  # drafting leads (else off)
+    drafting: bool = True  # the mode of the window being measured: the leading one, or a trial of the other
+    wait: int = 1  # windows of the leading mode still to run before the other is tried
+    turns: int = 0  # turns of the window so far
+    tokens: int = 0  # tokens emitted in its counted turns
+    seconds: float = 0.0  # their wall time
+    rates: dict[bool, float] = field(default_factory=dict)  # drafting -> tokens per second of its last window
+
+
+class GoodputCheck:
+    """Per load band, whether the rule may draft; fed each turn's emitted tokens and wall time."""
+
+    def __init__(self) -> None:
+        self._bands: dict[int, _Band] = {}
+
+    def drafting(self, band: int) -> bool:
+        """Whether the rule may draft in a step of this load band."""
+        return self._bands.setdefault(band, _Band()).drafting
+
+    def observe(self, band: int, tokens: int, seconds: float) -> None:
+        """One turn of the load band: the tokens it emitted and its wall time."""
+        state = self._bands.setdefault(band, _Band())
+        state.turns += 1
+        if state.turns > SETTLE_TURNS:
+            state.tokens += tokens
+            state.seconds += seconds
+        if state.turns == WINDOW_TURNS:
+            self._close(state)
+
+    @staticmethod
+    def _close(state: _Band) -> None:
+        """End a window and choose the next one's mode: a trial that emitted more leads, and the mode
+        it took the lead from is tried again after one window; one that emitted less waits in
+        proportion to what it lost. After the leading mode's window it runs on, or the other is
+        tried once its wait is over."""
+        rate = state.tokens / max(state.seconds, 1e-9)
+        state.rates[state.drafting] = rate
+        state.turns, state.tokens, state.seconds = 0, 0, 0.0
+        if state.drafting != state.leading:
+            leader = state.rates[state.leading]
+            if rate > leader:
+                state.leading, state.wait = state.drafting, 1
+            else:
+                state.wait = min(MAX_WAIT, max(1, round((1.0 - rate / max(leader, 1e-9)) / TRIAL_SHARE)))
+            state.drafting = state.leading
+            return
+        state.wait -= 1
+        if state.wait <= 0:
+            state.drafting = not state.leading
