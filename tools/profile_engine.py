@@ -134,6 +134,7 @@ async def main(args: argparse.Namespace) -> None:
         engine.runner.graphs.run = counted_run
     shapes: list[tuple[StepShape, float]] = []  # what the drafter's cost model saw
     checked_off = [0]  # turns in which the goodput check had the load band's drafting off
+    windows: list[tuple[bool, bool, int]] = []  # the goodput check's windows: drafting, a trial, tokens/s
     if engine.drafter is not None:
         plan, observe = engine.drafter.plan, engine.drafter.observe_step
 
@@ -147,6 +148,14 @@ async def main(args: argparse.Namespace) -> None:
             observe(shape, seconds, emitted)
 
         engine.drafter.plan, engine.drafter.observe_step = traced_plan, traced_observe
+        close_window = engine.drafter.goodput._close
+
+        def traced_close(state: Any) -> None:
+            windows.append((state.drafting, state.drafting != state.leading,
+                            round(state.tokens / max(state.seconds, 1e-9))))
+            close_window(state)
+
+        engine.drafter.goodput._close = traced_close
     try:
         await serve(engine, prompts[: args.concurrency], args.concurrency, args.endpoint, extra)  # warm-up
         timer.reset()
@@ -154,6 +163,7 @@ async def main(args: argparse.Namespace) -> None:
         eager[0] = 0
         shapes.clear()
         checked_off[0] = 0
+        windows.clear()
         started = time.perf_counter()
         totals = await serve(engine, prompts, args.concurrency, args.endpoint, extra)
         seconds = time.perf_counter() - started
@@ -169,7 +179,9 @@ async def main(args: argparse.Namespace) -> None:
                          for name in sorted(timer.calls, key=lambda n: -timer.seconds[n])}}
     report["by_running"] = by_running(trace)
     if shapes:
-        report["goodput_check_off_share"] = checked_off[0] / len(shapes)
+        report["goodput_check"] = {"off_share": checked_off[0] / len(shapes),
+                                   "windows": " ".join(f"{'D' if d else 'o'}{'*' if trial else ''}{rate}"
+                                                       for d, trial, rate in windows)}
         report["step_costs"] = step_costs(shapes, engine.drafter.step_cost.fit)
     print(json.dumps(report, indent=1))
 

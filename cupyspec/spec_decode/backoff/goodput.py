@@ -6,17 +6,17 @@ step's cost shows in another turn's wall time they misprice drafting: an MTP hea
 device in one step for the next, while the host works on the turn after, and where the host bounds
 the step its extra work on drafted tokens lands wherever it is done. So the turns are also taken in
 windows of WINDOW_TURNS per load band, each window in one mode, drafting (the rule decides) or off
-(nobody drafts), and a window's tokens emitted per second is compared with the other mode's last
-window. A trial that emits more takes the lead, and the mode it took it from is tried again at once,
-so that one slow window (a burst of prompts, a pause of the host) decides nothing for long. A trial
-that emits less waits, so that trials cost at most TRIAL_SHARE of the time: a mode that lost by a
-share d waits d / TRIAL_SHARE windows (at least one, at most MAX_WAIT, so that a change of load is
-noticed within seconds).
+(nobody drafts). A window of the mode that does not lead, a trial, is compared on tokens emitted per
+second with the leading mode's windows since the trial before. A trial that emits more takes the
+lead, and the mode it took it from is tried again after one window, so that one slow window (a burst
+of prompts, a pause of the host) decides nothing for long. A trial that emits less waits, so that
+trials cost at most TRIAL_SHARE of the time: a mode that lost by a share d waits d / TRIAL_SHARE
+windows (at least one, at most MAX_WAIT, so that a change of load is noticed within seconds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 WINDOW_TURNS = 32  # turns of a window; a load band changes little within it
 SETTLE_TURNS = 2  # a window's first turns, not counted: they finish the steps of the mode before
@@ -26,8 +26,8 @@ MAX_WAIT = 64  # windows, at most, before the mode that emitted less is tried ag
 
 @dataclass
 class _Band:
-    """One load band's modes: the one leading, the one measured now, and each one's tokens per second
-    in its last window."""
+    """One load band's modes: the one leading, the one measured now, and what the leading one emitted
+    since the last trial."""
 
     leading: bool = True  # drafting leads (else off)
     drafting: bool = True  # the mode of the window being measured: the leading one, or a trial of the other
@@ -35,7 +35,8 @@ class _Band:
     turns: int = 0  # turns of the window so far
     tokens: int = 0  # tokens emitted in its counted turns
     seconds: float = 0.0  # their wall time
-    rates: dict[bool, float] = field(default_factory=dict)  # drafting -> tokens per second of its last window
+    lead_tokens: int = 0  # tokens emitted in the leading mode's counted turns since the last trial
+    lead_seconds: float = 0.0  # their wall time
 
 
 class GoodputCheck:
@@ -60,21 +61,23 @@ class GoodputCheck:
 
     @staticmethod
     def _close(state: _Band) -> None:
-        """End a window and choose the next one's mode: a trial that emitted more leads, and the mode
-        it took the lead from is tried again after one window; one that emitted less waits in
-        proportion to what it lost. After the leading mode's window it runs on, or the other is
-        tried once its wait is over."""
-        rate = state.tokens / max(state.seconds, 1e-9)
-        state.rates[state.drafting] = rate
+        """End a window and choose the next one's mode. The leading mode's window adds to its tally,
+        then it runs on, or the other is tried once its wait is over. A trial is compared with that
+        tally: if it emitted more per second it leads, and the mode it took the lead from is tried
+        again after one window; else it waits in proportion to what it lost."""
+        tokens, seconds = state.tokens, max(state.seconds, 1e-9)
         state.turns, state.tokens, state.seconds = 0, 0, 0.0
-        if state.drafting != state.leading:
-            leader = state.rates[state.leading]
-            if rate > leader:
-                state.leading, state.wait = state.drafting, 1
-            else:
-                state.wait = min(MAX_WAIT, max(1, round((1.0 - rate / max(leader, 1e-9)) / TRIAL_SHARE)))
-            state.drafting = state.leading
+        if state.drafting == state.leading:
+            state.lead_tokens += tokens
+            state.lead_seconds += seconds
+            state.wait -= 1
+            if state.wait <= 0:
+                state.drafting = not state.leading
             return
-        state.wait -= 1
-        if state.wait <= 0:
-            state.drafting = not state.leading
+        trial, leader = tokens / seconds, state.lead_tokens / max(state.lead_seconds, 1e-9)
+        if trial > leader:
+            state.leading, state.wait = state.drafting, 1
+        else:
+            state.wait = min(MAX_WAIT, max(1, round((1.0 - trial / max(leader, 1e-9)) / TRIAL_SHARE)))
+        state.lead_tokens, state.lead_seconds = 0, 0.0
+        state.drafting = state.leading
