@@ -58,6 +58,15 @@ def test_one_slow_window_does_not_turn_drafting_off_for_long():
     assert sum(modes) >= 3 * WINDOW_TURNS
 
 
+def test_a_mode_that_lost_one_trial_is_tried_again_soon():
+    """Drafting's first windows are slow (the back-off rule still learns what steps cost), so it
+    loses the lead and then a trial; once it pays, it is tried again within a window and leads."""
+    check = GoodputCheck()
+    _serve(check, 4, 4 * WINDOW_TURNS, 0.5)
+    modes = _serve(check, 4, 6 * WINDOW_TURNS, 1.6)
+    assert sum(modes) >= 3 * WINDOW_TURNS
+
+
 def test_each_load_band_has_its_own_verdict():
     check = GoodputCheck()
     for _ in range(8):

@@ -7,11 +7,13 @@ device in one step for the next, while the host works on the turn after, and whe
 the step its extra work on drafted tokens lands wherever it is done. So the turns are also taken in
 windows of WINDOW_TURNS per load band, each window in one mode, drafting (the rule decides) or off
 (nobody drafts). A window of the mode that does not lead, a trial, is compared on tokens emitted per
-second with the leading mode's windows since the trial before. A trial that emits more takes the
-lead, and the mode it took it from is tried again after one window, so that one slow window (a burst
-of prompts, a pause of the host) decides nothing for long. A trial that emits less waits, so that
-trials cost at most TRIAL_SHARE of the time: a mode that lost by a share d waits d / TRIAL_SHARE
-windows (at least one, at most MAX_WAIT, so that a change of load is noticed within seconds).
+second with the leading mode's windows since the trial before. Windows are noisy (a burst of
+prompts, a pause of the host, at few sequences the text of one request), so every verdict is
+checked once more: a trial that emits more takes the lead, and the mode it took it from is tried
+again after one window; a trial that emits less is also tried again after one window, and only a
+mode that lost twice in a row waits long, in proportion to what it lost: a share d, d / TRIAL_SHARE
+windows (at most MAX_WAIT, so that a change of load is noticed within seconds). Its two trials then
+cost at most about 2 * TRIAL_SHARE of the time.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 WINDOW_TURNS = 32  # turns of a window; a load band changes little within it
 SETTLE_TURNS = 2  # a window's first turns, not counted: they finish the steps of the mode before
-TRIAL_SHARE = 0.01  # of the time, at most, spent trying the mode that emitted less
+TRIAL_SHARE = 0.005  # of the time, at most, spent on each trial of the mode that emitted less
 MAX_WAIT = 64  # windows, at most, before the mode that emitted less is tried again
 
 
@@ -32,6 +34,7 @@ class _Band:
     leading: bool = True  # drafting leads (else off)
     drafting: bool = True  # the mode of the window being measured: the leading one, or a trial of the other
     wait: int = 1  # windows of the leading mode still to run before the other is tried
+    losses: int = 0  # trials in a row that the other mode lost
     turns: int = 0  # turns of the window so far
     tokens: int = 0  # tokens emitted in its counted turns
     seconds: float = 0.0  # their wall time
@@ -63,8 +66,7 @@ class GoodputCheck:
     def _close(state: _Band) -> None:
         """End a window and choose the next one's mode. The leading mode's window adds to its tally,
         then it runs on, or the other is tried once its wait is over. A trial is compared with that
-        tally: if it emitted more per second it leads, and the mode it took the lead from is tried
-        again after one window; else it waits in proportion to what it lost."""
+        tally (module docstring)."""
         tokens, seconds = state.tokens, max(state.seconds, 1e-9)
         state.turns, state.tokens, state.seconds = 0, 0, 0.0
         if state.drafting == state.leading:
@@ -76,8 +78,10 @@ class GoodputCheck:
             return
         trial, leader = tokens / seconds, state.lead_tokens / max(state.lead_seconds, 1e-9)
         if trial > leader:
-            state.leading, state.wait = state.drafting, 1
+            state.leading, state.losses = state.drafting, 0
         else:
-            state.wait = min(MAX_WAIT, max(1, round((1.0 - trial / max(leader, 1e-9)) / TRIAL_SHARE)))
+            state.losses += 1
+        loss = 1.0 - trial / max(leader, 1e-9)
+        state.wait = 1 if state.losses < 2 else min(MAX_WAIT, max(1, round(loss / TRIAL_SHARE)))
         state.lead_tokens, state.lead_seconds = 0, 0.0
         state.drafting = state.leading
