@@ -94,3 +94,17 @@ def test_while_the_check_has_drafting_off_nobody_drafts_not_even_to_explore():
     assert allowed.count(False) > len(allowed) / 2
     trials = [i for i in range(4 * WINDOW_TURNS, len(plans)) if allowed[i]]
     assert any(plans[i] for i in trials)
+
+
+def test_the_check_takes_no_turns_while_the_rule_learns_its_step_costs():
+    """Until the cost fit is ready the rule drafts one step in a few, to learn: such windows say
+    nothing of drafting's worth, even when they emit less per second, and drafting stays allowed."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), ConstantProposer())
+    drafter.step_cost.fit = lambda sequences: None
+    seq = decoding_seq(3)
+    allowed = []
+    for _ in range(8 * WINDOW_TURNS):
+        allowed.append(drafter.goodput.drafting(load_band(1)))
+        drafts = drafter.plan([seq]).get(seq.seq_id, 0)
+        drafter.observe_step(StepShape(1 + drafts, drafts > 0, drafts), 5e-3 if drafts else 1e-3, 1 + drafts)
+    assert all(allowed)

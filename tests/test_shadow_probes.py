@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from spec_fixtures import DRAFTED_TOKEN, ConstantProposer, decoding_seq
+from spec_fixtures import DRAFTED_TOKEN, ConstantProposer, decoding_seq, rule_alone
 
 from cupyspec.spec_decode.backoff.step_cost import StepCost, StepShape
 from cupyspec.spec_decode.drafter import Drafter
@@ -19,7 +19,7 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
     against the tokens emitted since, bring it back once its text turns predictable (and only then:
     exploring steps aside, which the rule takes whatever the acceptance)."""
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0.5)
-    drafter = Drafter(config, ConstantProposer())
+    drafter = rule_alone(Drafter(config, ConstantProposer()))
     seq = decoding_seq(3, acceptance=0.05)
     plans = []  # (drafts, whether the step explores)
     for _ in range(80):
@@ -29,8 +29,7 @@ def test_shadow_probes_let_a_sequence_that_stopped_drafting_recover(emitted: int
         seq.output_token_ids.append(emitted)
         seq.num_computed_tokens += 1
         seq.spec.record((), 1)  # the drafts of an exploring step are not verified here
-        # a share of its 0.1 s is the budget for probes
-        drafter.observe_step(StepShape(1, drafts > 0), 0.1, 1 + drafts * recovers)
+        drafter.observe_step(StepShape(1, drafts > 0), 0.1, 1 + drafts)  # a share of 0.1 s: the probes' budget
     chosen = [drafts for drafts, exploring in plans if not exploring]
     assert chosen[0] == 0
     if recovers:

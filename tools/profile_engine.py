@@ -8,7 +8,9 @@ concurrency, greedy. Each phase of the loop (planning and proposing drafts, sche
 inputs, launching a step, collecting one, processing outputs, the drafter's bookkeeping)
 is wrapped with a timer; the report gives each phase's calls, host time per call and per engine
 step, next to the output tokens per second and the mean acceptance length. With speculation it
-also sets out the steps the back-off rule's cost model observed against the model's final fit. On a GPU
+also sets out the steps the back-off rule's cost model observed against the model's final fit, and
+the goodput check's windows in order (D: drafting, o: off, *: a trial; then tokens per second) with
+the share of turns it had drafting off. On a GPU
 no phase waits for the device: the loop polls for a step's results before collecting them, and
 that wait is what the phases leave of a step's time.
 """

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from bench_datasets import HUMANEVAL, SHAREGPT, code_rewrite_prompt, humaneval_problems, open_data, sharegpt_pairs
 
-from cupyspec.config import EngineConfig, SchedulerConfig
+from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.engine.gc_policy import settle_garbage_collector
 from cupyspec.engine.step_inputs import StepInputs
@@ -56,6 +56,10 @@ MS_PER_ROW_BEYOND = (GRAPH_MS[-1] - GRAPH_MS[-2]) / (GRAPH_ROWS[-1] - GRAPH_ROWS
 MTP_ACCEPTANCE = (0.737, 0.756, 0.793)
 MTP_DRAFT_MS = (0.25, 0.0052)
 MTP_OTHER_MS = 0.03
+# The KV pool: room for 128 streams of ShareGPT and their drafts, as a GPU's pool has (the CPU
+# default would bound them by KV, and hold prompts back while sequences draft); the modeled device
+# writes none of it, so its pages are never touched.
+SIMULATED_KV_BYTES = 4 << 30
 
 
 class Script(NamedTuple):
@@ -214,7 +218,8 @@ async def run_method(label: str, args: argparse.Namespace, scripts: dict[str, li
     spec = METHODS[label]
     config = EngineConfig(model=args.model, device="cpu", warm_up=False,
                           speculative=SpeculativeConfig(**spec) if spec else SpeculativeConfig(),
-                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)),
+                          cache=CacheConfig(kv_cache_memory_bytes=SIMULATED_KV_BYTES))
     engine = await AsyncEngine.create(config)
     settle_garbage_collector()
     device = ScriptedDevice(engine, args.sample_ms, args.verify_ms)

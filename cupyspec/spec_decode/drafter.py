@@ -56,6 +56,10 @@ class Drafter:
         self.config, self.proposer = config, proposer
         self.step_cost = StepCostModel()  # what rows and drafting cost, for the back-off rule
         self.goodput = GoodputCheck()  # per load band, whether drafting emits more per second than not
+        # whether the last evaluated plan found no cost fit for its load band: the rule then drafts
+        # one step in WARM_UP_PERIOD to learn its costs, which no window of the goodput check would
+        # show at its worth, and the check takes no turns
+        self._warming_up = True
         self.num_steps = 0  # engine steps observed
         self.contexts = Contexts()  # each sequence's tokens as an array, for the proposer
         self.shadows = ShadowProbes(self.contexts)
@@ -98,7 +102,7 @@ class Drafter:
         """One engine turn: the shape of the step it launched and its wall time (step_cost.py), and
         the tokens it emitted (goodput.py)."""
         self.step_cost.observe(shape, seconds)
-        if self.config.cost_aware_backoff:
+        if self.config.cost_aware_backoff and not self._warming_up:
             self.goodput.observe(load_band(shape.sequences), emitted, seconds)
         self.num_steps += 1
         if shape.drafting and not self._exploring_step:  # drafting pays somewhere: exploring backs off no more
@@ -171,6 +175,7 @@ class Drafter:
                     return standing
         started = time.perf_counter()
         cost = self.step_cost.fit(len(running)) if self.config.cost_aware_backoff else None
+        self._warming_up = cost is None
         if cost is None and self.config.cost_aware_backoff:  # until the fit is ready, it needs both kinds
             return {} if self.num_steps % WARM_UP_PERIOD else self._explore(running, self.config)
         limits = draft_limits(running, self.config, cost)
