@@ -108,3 +108,18 @@ def test_the_check_takes_no_turns_while_the_rule_learns_its_step_costs():
         drafts = drafter.plan([seq]).get(seq.seq_id, 0)
         drafter.observe_step(StepShape(1 + drafts, drafts > 0, drafts), 5e-3 if drafts else 1e-3, 1 + drafts)
     assert all(allowed)
+
+
+def test_windows_without_drafting_count_while_the_rule_learns_so_drafting_is_tried_again():
+    """A load band the check turned off is measured off whatever the rule knows, so the check comes
+    to try drafting there again even while the rule has no cost fit for it."""
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3), ConstantProposer())
+    drafter.step_cost.fit = lambda sequences: None
+    _serve(drafter.goodput, load_band(1), 8 * WINDOW_TURNS, 0.5)  # drafting lost twice: a long wait
+    seq = decoding_seq(3)
+    allowed = []
+    for _ in range((MAX_WAIT + 4) * WINDOW_TURNS):
+        allowed.append(drafter.goodput.drafting(load_band(1)))
+        drafts = drafter.plan([seq]).get(seq.seq_id, 0)
+        drafter.observe_step(StepShape(1 + drafts, drafts > 0, drafts), 1e-3, 1)
+    assert not allowed[0] and any(allowed)

@@ -58,7 +58,7 @@ class Drafter:
         self.goodput = GoodputCheck()  # per load band, whether drafting emits more per second than not
         # whether the last evaluated plan found no cost fit for its load band: the rule then drafts
         # one step in WARM_UP_PERIOD to learn its costs, which no window of the goodput check would
-        # show at its worth, and the check takes no turns
+        # show at its worth, and the check takes no turns in which the rule may draft
         self._warming_up = True
         self.num_steps = 0  # engine steps observed
         self.contexts = Contexts()  # each sequence's tokens as an array, for the proposer
@@ -102,8 +102,9 @@ class Drafter:
         """One engine turn: the shape of the step it launched and its wall time (step_cost.py), and
         the tokens it emitted (goodput.py)."""
         self.step_cost.observe(shape, seconds)
-        if self.config.cost_aware_backoff and not self._warming_up:
-            self.goodput.observe(load_band(shape.sequences), emitted, seconds)
+        band = load_band(shape.sequences)
+        if self.config.cost_aware_backoff and not (self._warming_up and self.goodput.drafting(band)):
+            self.goodput.observe(band, emitted, seconds)
         self.num_steps += 1
         if shape.drafting and not self._exploring_step:  # drafting pays somewhere: exploring backs off no more
             self._drafted_since_exploring, self._backoff = True, 1
