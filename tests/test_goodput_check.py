@@ -13,7 +13,7 @@ from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
 def _serve(check: GoodputCheck, band: int, turns: int, drafting_speedup: float) -> list[bool]:
-    """Turns of 1 ms that emit one token, or `drafting_speedup` tokens while drafting; the modes of the turns."""
+    """Turns of 1 ms that emit 10 tokens, or 10 * `drafting_speedup` while drafting; the modes of the turns."""
     modes = []
     for _ in range(turns):
         drafting = check.drafting(band)
@@ -25,7 +25,8 @@ def _serve(check: GoodputCheck, band: int, turns: int, drafting_speedup: float) 
 @pytest.mark.parametrize("speedup", [0.5, 0.8, 1.25, 1.6])
 def test_the_mode_that_emits_more_leads_and_trying_the_other_costs_at_most_the_trial_share(speedup: float):
     """Drafting emits `speedup` times the tokens a second of not drafting: the better mode runs nearly
-    always, and the trials of the other lose at most about TRIAL_SHARE of the better mode's tokens."""
+    always, and the trials of the other (two per wait) lose at most about 2 * TRIAL_SHARE of the
+    better mode's tokens."""
     turns = 400 * WINDOW_TURNS
     modes = _serve(GoodputCheck(), 4, turns, speedup)
     better = speedup > 1
@@ -33,7 +34,7 @@ def test_the_mode_that_emits_more_leads_and_trying_the_other_costs_at_most_the_t
     assert sum(mode == better for mode in later) > 0.9 * len(later)
     emitted = sum(speedup if mode else 1.0 for mode in modes)
     lost = 1 - emitted / (turns * max(speedup, 1.0))
-    assert lost <= 1.5 * TRIAL_SHARE + 4 / 400  # the first windows measure both modes once
+    assert lost <= 2 * TRIAL_SHARE + 4 / 400  # the first windows measure both modes
     assert any(mode != better for mode in later)  # the other mode is still tried now and then
 
 
