@@ -67,7 +67,7 @@ class StepLoop:
         self.aborts: set[str] = set()  # request ids to abort at the next turn
         self.wake = asyncio.Event()  # set when a request, an abort or shutdown comes
         self.closed = False
-        self._emitted = 0  # tokens collected since the last turn was observed
+        self._emitted = 0  # tokens collected since the drafter last observed a turn
 
     def abort(self, request_id: str) -> None:
         self.aborts.add(request_id)
@@ -209,7 +209,8 @@ class StepLoop:
         """A launched step's outputs, once the device has them on the host (see ModelRunner.collect)."""
         await steps.until(launched.ready)
         outputs = await steps.run(self.runner.collect, launched, logprobs)
-        self._emitted += sum(len(out.token_ids) for out in outputs)
+        if self.drafter is not None:  # for its goodput check
+            self._emitted += sum(len(out.token_ids) for out in outputs)
         return outputs
 
     async def _idle(self) -> None:
