@@ -218,6 +218,35 @@ def test_lookahead_reserves_slots_and_budget():
     assert len(seq.block_ids) * 4 >= seq.num_computed_tokens + 4 > 8  # a third block for the drafts
 
 
+def test_drafts_are_cut_to_keep_a_step_within_its_cuda_graph():
+    """Six decoding sequences with 3 drafts each are 24 rows; with a 9-token prompt beside them and
+    graphs of up to 24 rows, the drafts give up 9 rows (each keeps 1, the first three 2), and the
+    step fits its graph. A step too long for a graph even without drafts keeps them all."""
+    def scheduler(graph_rows: int) -> Scheduler:
+        class Drafting(Scheduler):
+            def num_lookahead_tokens(self, seq: Sequence) -> int:
+                return 3 if seq.output_token_ids else 0
+
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+        return Drafting(config, BlockManager(64, 4, True), 4096, graph_rows=graph_rows)
+
+    for graph_rows, prompt, drafts in ((24, 9, [2, 2, 2, 1, 1, 1]), (24, 19, [3] * 6), (0, 9, [3] * 6),
+                                       (30, 6, [3] * 6)):
+        sched = scheduler(graph_rows)
+        for _ in range(6):
+            sched.add(make_seq(2))
+        step(sched)
+        sched.add(make_seq(prompt))
+        out = sched.schedule()
+        assert [item.num_lookahead_tokens for item in out.scheduled[:6]] == drafts
+        assert out.scheduled[6].num_new_tokens == prompt
+        if graph_rows and drafts != [3] * 6:
+            assert out.num_tokens == graph_rows
+        sched.on_launched(out)
+        sched.update_after_step(out)
+        sched.check_invariants()
+
+
 def test_random_workload_keeps_invariants():
     rng = np.random.default_rng(0)
     block_size = 4

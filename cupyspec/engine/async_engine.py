@@ -82,9 +82,10 @@ class AsyncEngine:
                                      KVCacheArrays.bytes_per_block(loaded.config, block_size, backend.dtype, heads))
         kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype, heads)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, bool(heads))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
-                                   config.speculative.num_model_steps - 1 if heads else 0)
         graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   config.speculative.num_model_steps - 1 if heads else 0,
+                                   graph_tokens if backend.is_cuda else 0)
         self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
                                   self.max_model_len, config.scheduler.max_num_seqs, self.tokenizer, mtp)
         self.metrics = EngineMetrics(self.model_name)

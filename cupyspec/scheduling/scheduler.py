@@ -54,12 +54,13 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 head_lookahead: int = 0) -> None:
+                 head_lookahead: int = 0, graph_rows: int = 0) -> None:
         """head_lookahead: KV slots reserved past each sampling segment, within the context length,
-        for the positions an MTP head's drafting steps write."""
+        for the positions an MTP head's drafting steps write. graph_rows: the most rows a step may
+        have and still replay a CUDA graph (0: no graphs); see `_fit_graph`."""
         if max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
-        self.head_lookahead = head_lookahead
+        self.head_lookahead, self.graph_rows = head_lookahead, graph_rows
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -162,7 +163,27 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_new_tokens + item.num_lookahead_tokens
 
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(finished))
+        return SchedulerOutput(self._fit_graph(scheduled), tuple(preempted), tuple(finished))
+
+    def _fit_graph(self, scheduled: list[ScheduledSeq]) -> tuple[ScheduledSeq, ...]:
+        """The step with fewer drafts where its tokens fit a CUDA graph and its drafts would push it
+        past: an eager step costs the host the launches of every kernel, more than verifying the
+        drafts gains. Each sequence keeps up to a common number of drafts, the first ones one more
+        while rows are left; the KV slots reserved for the others stay with their sequences."""
+        drafts = [item.num_lookahead_tokens for item in scheduled]
+        room = self.graph_rows - sum(item.num_new_tokens for item in scheduled)
+        if not self.graph_rows or room < 0 or sum(drafts) <= room:
+            return tuple(scheduled)
+        kept = 0  # drafts each sequence keeps, at most
+        while sum(min(d, kept + 1) for d in drafts) <= room:
+            kept += 1
+        spare = room - sum(min(d, kept) for d in drafts)
+        fitted = []
+        for item, d in zip(scheduled, drafts):
+            k = min(d, kept + (d > kept and spare > 0))
+            spare -= k > kept
+            fitted.append(item if k == d else item._replace(num_lookahead_tokens=k))
+        return tuple(fitted)
 
     def on_launched(self, output: SchedulerOutput) -> None:
         """The step is on the device: count its segments as computed (later steps queue behind them)."""
