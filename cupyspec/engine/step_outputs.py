@@ -26,7 +26,7 @@ class SeqStepOutput(NamedTuple):
     logprobs_json: LogprobsJSON | None = None  # one entry per emitted token, when asked rendered
 
 
-def token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
+def _token_logprob(token_id: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray, k: int) -> TokenLogprob:
     """The logprob record of one token with its top k alternatives, from host arrays."""
     return TokenLogprob(int(token_id), float(logprob), top_ids[:k].tolist(), top_lps[:k].tolist())
 
@@ -81,6 +81,6 @@ def add_prompt_logprobs(host: list[np.ndarray], inputs: StepInputs, outputs: lis
     per_seq: dict[int, list[tuple[int, TokenLogprob]]] = {}
     for j, (i, position, k) in enumerate(inputs.prompt_owner):
         per_seq.setdefault(i, []).append(
-            (position, token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
+            (position, _token_logprob(inputs.prompt_targets[j], lps[j], top_ids[j], top_lps[j], k)))
     for i, pairs in per_seq.items():
         outputs[i] = outputs[i]._replace(prompt_logprobs=tuple(pairs))

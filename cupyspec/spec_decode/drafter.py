@@ -120,7 +120,7 @@ class Drafter:
             self._exploring_step = False
             cost = self.step_cost.fit(shape.sequences)
             base = 0.0 if cost is None else cost.seconds(shape.rows - shape.draft_rows)
-            self._explore_price[load_band(shape.sequences)] = max(0.0, seconds - base)
+            self._explore_price[band] = max(0.0, seconds - base)
         self._budget = min(OVERHEAD_BUDGET_CAP, self._budget + OVERHEAD_SHARE * seconds)
         self._probe_budget = min(OVERHEAD_BUDGET_CAP, self._probe_budget + OVERHEAD_SHARE * seconds)
 
