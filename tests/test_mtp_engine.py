@@ -4,15 +4,18 @@ logprobs as without speculation, the head's K/V consistent after rejected drafts
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 from reference_model import reference_hidden, reference_mtp_step
+from safetensors.numpy import load_file
 from tiny_models import TinySpec, random_head_weights, write_head_file
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.loader import load_model
+from cupyspec.model.mtp import DRAFT_VOCAB
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
@@ -44,10 +47,21 @@ async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams = G
     return result
 
 
-@pytest.mark.parametrize("steps,strategy,drafts", [(1, "default", 1), (2, "default", 2), (3, "default", 3),
-                                                    (2, "with_ngram", 4)])
-def test_mtp_keeps_greedy_outputs_and_logprobs(tiny, steps, strategy, drafts):
+def with_draft_vocab(head: str, folder: Path, vocab_size: int | None = None) -> tuple[str, np.ndarray]:
+    """The head file `head` with a draft vocabulary of every other token id of the target's (the tiny
+    model's by default): (its path, the vocab)."""
+    weights = load_file(head)
+    vocab = np.arange(0, vocab_size or TinySpec().vocab, 2, dtype=np.int32)
+    return str(write_head_file(folder / "vocab.safetensors", weights | {DRAFT_VOCAB: vocab})), vocab
+
+
+@pytest.mark.parametrize("steps,strategy,drafts,draft_vocab", [
+    (1, "default", 1, False), (2, "default", 2, False), (3, "default", 3, False), (2, "with_ngram", 4, False),
+    (2, "default", 2, True)])
+def test_mtp_keeps_greedy_outputs_and_logprobs(tiny, tmp_path, steps, strategy, drafts, draft_vocab):
     model, head = tiny
+    if draft_vocab:
+        head, _vocab = with_draft_vocab(head, tmp_path)
 
     async def main():
         plain = await make_engine(model)

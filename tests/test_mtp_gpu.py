@@ -108,13 +108,22 @@ async def _proposals(model_path: str, head_path: str, cuda_graphs: bool) -> tupl
     return answers, sorted((length, drafts) for _, length, drafts in records)
 
 
-def test_graphed_mtp_steps_draft_and_emit_as_eager_ones(default_model_path, head_path):
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_graphed_mtp_steps_draft_and_emit_as_eager_ones(default_model_path, head_path, tmp_path, draft_vocab):
     """The head's catch-up inside the forward graphs and its drafting graphs give the eager steps'
-    drafts and tokens, bit for bit."""
+    drafts and tokens, bit for bit, over the whole vocabulary and over a draft vocabulary."""
+    if draft_vocab:
+        from test_mtp_engine import with_draft_vocab
+
+        from cupyspec.loader import load_model
+
+        head_path, vocab = with_draft_vocab(head_path, tmp_path, load_model(default_model_path).config.vocab_size)
     eager = asyncio.run(_proposals(default_model_path, head_path, cuda_graphs=False))
     graphed = asyncio.run(_proposals(default_model_path, head_path, cuda_graphs=True))
     assert len(eager[1]) > 50
     assert graphed == eager
+    if draft_vocab:
+        assert np.isin([d for _, drafts in eager[1] for d in drafts], vocab).all()
 
 
 def test_the_draft_sampler_on_the_gpu_matches_its_numpy_twin():

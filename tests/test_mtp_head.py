@@ -14,7 +14,7 @@ from cupyspec.loader import load_model
 from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
-from cupyspec.model.mtp import MTPHead, head_tensor_shapes, load_head_weights
+from cupyspec.model.mtp import DRAFT_VOCAB, MTPHead, head_tensor_shapes, load_head_weights
 
 BLOCK_SIZE = 4
 BLOCKS = list(range(16))  # one sequence's blocks: 64 positions
@@ -55,6 +55,28 @@ def test_the_head_file_is_checked_against_the_target(tiny, tmp_path):
     wide = head | {"mtp.eh_proj.weight": np.zeros((3, 3), np.float32)}
     with pytest.raises(ValueError, match="eh_proj"):
         load_head_weights(write_head_file(tmp_path / "wide.safetensors", wide), loaded.config)
+
+
+def test_a_draft_vocabulary_restricts_the_heads_logits_to_its_tokens(tiny, tmp_path):
+    loaded, head_weights, path = tiny
+    vocab_size = loaded.config.vocab_size
+    vocab = np.arange(1, vocab_size, 3, dtype=np.int32)  # [Vd]
+    vocab_path = write_head_file(tmp_path / "vocab.safetensors", head_weights | {DRAFT_VOCAB: vocab})
+    backend = select_backend("cpu")
+    model = LlamaModel(loaded.config, loaded.weights, backend)
+    full, restricted = MTPHead(model, load_head_weights(path, loaded.config)), \
+        MTPHead(model, load_head_weights(vocab_path, loaded.config))
+    residual = np.random.default_rng(2).standard_normal((5, loaded.config.hidden_size)).astype(np.float32)
+    logits = restricted.logits(residual)  # [5, Vd]
+    np.testing.assert_allclose(logits, full.logits(residual)[:, vocab], rtol=0, atol=1e-5)
+    picks = logits.argmax(axis=1)
+    np.testing.assert_array_equal(restricted.token_ids(picks), vocab[picks])
+    np.testing.assert_array_equal(full.token_ids(picks), picks)
+    for bad in (vocab[::-1], np.array([0, 0, 1], np.int32), np.array([1, vocab_size], np.int32),
+                np.zeros(0, np.int32), np.array([0.5, 2.0], np.float32)):
+        bad_path = write_head_file(tmp_path / "bad.safetensors", head_weights | {DRAFT_VOCAB: bad})
+        with pytest.raises(ValueError, match=DRAFT_VOCAB):
+            load_head_weights(bad_path, loaded.config)
 
 
 def test_the_targets_prenorm_hidden_state_matches_the_reference(tiny):
@@ -118,6 +140,7 @@ def test_the_shipped_head_fits_the_default_model_and_its_checksum():
                          max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
                          bos_token_id=1, eos_token_ids=(2,))
     weights = load_head_weights(path, config, sha256)
-    assert set(weights) == set(head_tensor_shapes(config))
+    assert set(weights) == set(head_tensor_shapes(config)) | {DRAFT_VOCAB}
+    assert len(weights[DRAFT_VOCAB]) == 16384 and set(config.eos_token_ids) <= set(weights[DRAFT_VOCAB])
     with pytest.raises(ValueError, match="sha256"):
         load_head_weights(path, config, "0" * 64)

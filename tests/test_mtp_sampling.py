@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_mtp_engine import make_engine, run
+from test_mtp_engine import make_engine, run, with_draft_vocab
 from test_verify import TRIALS, VOCAB, chi_square_passes, reference_probs
 
 from cupyspec.sampling.params import SamplingParams
@@ -104,12 +104,17 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, ig
 PROMPTS = [[7, 8, 9, 10, 11, 12] * 3, [3, 4, 5] * 5, list(range(20, 40))]
 
 
-def test_sampled_requests_verify_their_drafts_with_q(tiny, monkeypatch) -> None:
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_sampled_requests_verify_their_drafts_with_q(tiny, tmp_path, monkeypatch, draft_vocab) -> None:
     """Each verified draft of a sampled request comes with q [V], a distribution under which the draft
-    has positive probability, and its head logprob; a greedy request's drafts are one-hot."""
+    has positive probability, and its head logprob; a greedy request's drafts are one-hot. With a
+    draft vocabulary, every draft is one of its tokens and q is 0 elsewhere."""
     import cupyspec.engine.runner as runner_module
 
     model, head = tiny
+    vocab = None
+    if draft_vocab:
+        head, vocab = with_draft_vocab(head, tmp_path)
     seen: list[VerifyInput] = []
     original = runner_module.launch_verify
 
@@ -134,6 +139,9 @@ def test_sampled_requests_verify_their_drafts_with_q(tiny, monkeypatch) -> None:
             q = inp.draft_probs[b, np.arange(n), drafts[:n]]
             np.testing.assert_allclose(inp.draft_probs[b, :n].sum(axis=1), 1.0, rtol=1e-5)
             assert (q > 0).all() and np.isfinite(inp.draft_logprobs[b, :n]).all()
+            if vocab is not None:
+                assert np.isin(drafts[:n], vocab).all()
+                assert not np.delete(inp.draft_probs[b, :n], vocab, axis=1).any()
             greedy = inp.rows[int((inp.num_drafts[:b] + 1).sum())].params.greedy
             if greedy:
                 assert (q == 1.0).all()

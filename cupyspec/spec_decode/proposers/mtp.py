@@ -57,7 +57,7 @@ class Drafted(NamedTuple):
     """The head's drafts of a step's sampling sequences (device arrays)."""
 
     tokens: Any  # [S, num_model_steps] int32
-    logprobs: Any  # [S, num_model_steps] f32: the head's logprob of each (its raw log-softmax)
+    logprobs: Any  # [S, num_model_steps] f32: the head's logprob of each (log-softmax over its draft vocabulary)
     probs: Any | None = None  # [Sd, num_model_steps, V] f32: q of the rows that draw (DraftSampling.rows)
 
 
@@ -91,16 +91,25 @@ class MTPDrafting:
         for step in range(steps):
             batch = DeviceBatch(tokens, at[step], rows, slots[step], block_tables, previous)
             hidden = self.head.step(hidden, batch, kv)  # [S, H]
-            logits = self.head.logits(hidden)  # [S, V]
-            picks, logprob = argmax_logprobs(xp, logits)  # [S], [S]
+            logits = self.head.logits(hidden)  # [S, Vd]
+            picks, logprob = argmax_logprobs(xp, logits)  # [S] columns of logits, [S]
             if sampling is not None:
                 draft_positions = at[step] + 2  # a head step at p predicts the token at p + 2
-                probs.append(draw_drafts(xp, logits, draft_positions, sampling, picks, logprob))
-            tokens = picks.astype(np.int32)
+                q = draw_drafts(xp, logits, draft_positions, sampling, picks, logprob)  # [Sd, Vd]
+                probs.append(self._in_vocab(xp, q))
+            tokens = self.head.token_ids(picks).astype(np.int32)
             drafts.append(tokens)
             logprobs.append(logprob)
         return Drafted(xp.stack(drafts, axis=1), xp.stack(logprobs, axis=1),
                        xp.stack(probs, axis=1) if probs else None)
+
+    def _in_vocab(self, xp: Any, q: Any) -> Any:
+        """q [Sd, Vd] over the head's draft vocabulary -> [Sd, V] over the target's."""
+        if self.head.draft_vocab is None:
+            return q
+        full = xp.zeros((q.shape[0], self.head.vocab_size), dtype=q.dtype)  # [Sd, V]
+        full[:, self.head.draft_vocab] = q
+        return full
 
     def draft_from(self, hidden: Any, batch: DeviceBatch, boundary_rows: Any, tokens: Any, kv: KVCacheArrays,
                    sampling: DraftSampling | None = None) -> Drafted:
@@ -137,8 +146,8 @@ def _slots(block_tables: Any, rows: Any, positions: Any, block_size: int) -> Any
 def draw_drafts(xp: Any, logits: Any, positions: Any, sampling: DraftSampling, picks: Any,
                 logprobs: Any) -> Any:
     """Draw the drafts of the sampling rows from q, the head's logits [S, V] under their requests'
-    parameters, with the draw of each draft's position [S]: into picks [S] (int64) and their head
-    logprobs into logprobs [S]; returns q [Sd, V] f32 in token order."""
+    parameters, with the draw of each draft's position [S]: into picks [S] (int64, columns of the
+    logits) and their head logprobs into logprobs [S]; returns q [Sd, V] f32 in column order."""
     index = to_device(xp, sampling.rows)  # [Sd]
     x = logits[index]  # [Sd, V]
     ranked = rank_probs(xp, x, sampling.params)
