@@ -124,3 +124,18 @@ def test_windows_without_drafting_count_while_the_rule_learns_so_drafting_is_tri
         drafts = drafter.plan([seq]).get(seq.seq_id, 0)
         drafter.observe_step(StepShape(1 + drafts, drafts > 0, drafts), 1e-3, 1)
     assert not allowed[0] and any(allowed)
+
+
+@pytest.mark.parametrize("drift", [0.97, 1.03])
+def test_a_trial_is_judged_by_the_windows_beside_it_so_a_drifting_host_does_not_decide(drift: float):
+    """Each window runs `drift` times as fast as the one before (the host slowing down or speeding
+    up), and drafting emits 10% less than not: measured against the leading mode's windows on either
+    side, not against older ones, off wins its trials and leads."""
+    check, modes = GoodputCheck(), []
+    for window in range(60):
+        for _ in range(WINDOW_TURNS):
+            modes.append(check.drafting(4))
+            check.observe(4, round(1000 * drift ** window * (0.9 if modes[-1] else 1.0)), 1e-3)
+    later = modes[8 * WINDOW_TURNS:]
+    assert later.count(False) > 0.9 * len(later)
+

@@ -54,7 +54,7 @@ MS_PER_ROW_BEYOND = (GRAPH_MS[-1] - GRAPH_MS[-2]) / (GRAPH_ROWS[-1] - GRAPH_ROWS
 # fixed and per sequence (tools/profile_step.py at 1 and 32 sequences), and of its catch-up and
 # K/V mending in a step that does not draft.
 MTP_ACCEPTANCE = (0.737, 0.756, 0.793)
-MTP_DRAFT_MS = (0.25, 0.0052)
+MTP_DRAFT_MS = (0.18, 0.0052)
 MTP_OTHER_MS = 0.03
 # The KV pool: room for 128 streams of ShareGPT and their drafts, as a GPU's pool has (the CPU
 # default would bound them by KV, and hold prompts back while sequences draft); the modeled device

@@ -6,9 +6,9 @@ step's cost shows in another turn's wall time they misprice drafting: an MTP hea
 device in one step for the next, while the host works on the turn after, and where the host bounds
 the step its extra work on drafted tokens lands wherever it is done. So the turns are also taken in
 windows of WINDOW_TURNS per load band, each window in one mode, drafting (the rule decides) or off
-(nobody drafts). A window of the mode that does not lead, a trial, is compared on tokens emitted per
-second with the leading mode's windows since the trial before. Windows are noisy (a burst of
-prompts, a pause of the host, at few sequences the text of one request), so every verdict is
+(nobody drafts). A window of the mode that does not lead, a trial, is compared on tokens emitted per second with the leading mode's windows on either side of it, whose
+mean cancels what drifts over seconds (a pause of the host, a burst of prompts, the load rising or
+draining). Windows are noisy still (at few sequences the text of one request), so every verdict is
 checked once more: a trial that emits more takes the lead, and the mode it took it from is tried
 again after one window; a trial that emits less is also tried again after one window, and only a
 mode that lost twice in a row waits long, in proportion to what it lost: a share d, d / TRIAL_SHARE
@@ -28,8 +28,7 @@ MAX_WAIT = 64  # windows, at most, before the mode that emitted less is tried ag
 
 @dataclass
 class _Band:
-    """One load band's modes: the one leading, the one measured now, and what the leading one emitted
-    since the last trial."""
+    """One load band's modes: the one leading, the one measured now, and the trial awaiting its verdict."""
 
     leading: bool = True  # drafting leads (else off)
     drafting: bool = True  # the mode of the window being measured: the leading one, or a trial of the other
@@ -38,8 +37,8 @@ class _Band:
     turns: int = 0  # turns of the window so far
     tokens: int = 0  # tokens emitted in its counted turns
     seconds: float = 0.0  # their wall time
-    lead_tokens: int = 0  # tokens emitted in the leading mode's counted turns since the last trial
-    lead_seconds: float = 0.0  # their wall time
+    before: float = 0.0  # tokens per second of the leading mode's last window
+    trial: float | None = None  # tokens per second of the trial just measured, judged after the next window
 
 
 class GoodputCheck:
@@ -64,24 +63,30 @@ class GoodputCheck:
 
     @staticmethod
     def _close(state: _Band) -> None:
-        """End a window and choose the next one's mode. The leading mode's window adds to its tally,
-        then it runs on, or the other is tried once its wait is over. A trial is compared with that
-        tally (module docstring)."""
-        tokens, seconds = state.tokens, max(state.seconds, 1e-9)
+        """End a window and choose the next one's mode. A trial's verdict waits for the leading mode's
+        next window (module docstring); the leading mode runs on, or the other is tried once its wait
+        is over."""
+        rate = state.tokens / max(state.seconds, 1e-9)
         state.turns, state.tokens, state.seconds = 0, 0, 0.0
-        if state.drafting == state.leading:
-            state.lead_tokens += tokens
-            state.lead_seconds += seconds
-            state.wait -= 1
-            if state.wait <= 0:
-                state.drafting = not state.leading
+        if state.drafting != state.leading:
+            state.trial, state.drafting = rate, state.leading
             return
-        trial, leader = tokens / seconds, state.lead_tokens / max(state.lead_seconds, 1e-9)
-        if trial > leader:
-            state.leading, state.losses = state.drafting, 0
-        else:
-            state.losses += 1
-        loss = 1.0 - trial / max(leader, 1e-9)
-        state.wait = 1 if state.losses < 2 else min(MAX_WAIT, max(1, round(loss / TRIAL_SHARE)))
-        state.lead_tokens, state.lead_seconds = 0, 0.0
-        state.drafting = state.leading
+        trial, state.trial = state.trial, None
+        if trial is not None and GoodputCheck._judge(state, trial / max(0.5 * (state.before + rate), 1e-9)):
+            return  # the new leader runs a window before the old one is tried again
+        state.before = rate
+        state.wait -= 1
+        if state.wait <= 0:
+            state.drafting = not state.leading
+
+    @staticmethod
+    def _judge(state: _Band, ratio: float) -> bool:
+        """A trial's verdict, from what it emitted per second over the leading mode's windows either
+        side of it; whether it takes the lead. The wait set here counts the window that closed."""
+        if ratio > 1.0:
+            state.leading = state.drafting = not state.leading
+            state.losses, state.wait = 0, 1
+            return True
+        state.losses += 1
+        state.wait = 1 if state.losses < 2 else min(MAX_WAIT, max(1, round((1.0 - ratio) / TRIAL_SHARE)))
+        return False
