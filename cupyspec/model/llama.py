@@ -16,6 +16,8 @@ from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import add_linear, linear
 from cupyspec.model.ops import rope_tables
+from cupyspec.parallel.groups import Group
+from cupyspec.parallel.sharding import vocab_slice
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,16 @@ def layer_weights(weights: dict[str, np.ndarray], prefix: str, config: ModelConf
 
 
 class LlamaModel:
-    """Weights on the backend's device, and the forward pass."""
+    """Weights on the backend's device, and the forward pass. With a tensor-parallel group the config
+    and weights are one rank's (cupyspec/parallel/sharding.py), and the rank sums its row-parallel
+    products and its embedding with the others', and gathers their logits."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend,
+                 group: Group | None = None) -> None:
         xp, dt = backend.xp, backend.dtype
-        self.config, self.backend = config, backend
+        self.config, self.backend, self.group = config, backend, group
+        # the token id of the embedding's and LM head's row 0: a rank's vocabulary slice
+        self.vocab_first = None if group is None else vocab_slice(config.vocab_size, group.rank, group.size).start
         self.layers = [layer_weights(weights, f"model.layers.{i}.", config, backend) for i in range(config.num_layers)]
         self.embed = xp.asarray(weights["model.embed_tokens.weight"], dtype=dt)  # [V, H]
         self.lm_head = self.embed if config.tie_word_embeddings else matrix(xp, dt, weights, "lm_head.weight")  # [V, H]
@@ -77,7 +84,10 @@ class LlamaModel:
     def forward_residual(self, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """Run every layer over the batch, writing its K/V; returns the residual stream after the last
         layer, before the final norm [T, H] fp32 (the hidden state an MTP head reads)."""
-        residual = embed_tokens(self.backend.xp, self.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32
+        residual = embed_tokens(self.backend.xp, self.embed, batch.input_ids, batch.previous_tokens,
+                                self.vocab_first)  # [T, H] fp32
+        if self.group is not None:
+            self.group.all_reduce(residual)
         for i, w in enumerate(self.layers):
             self.run_layer(residual, w, kv.k[i], kv.v[i], batch)
         return residual
@@ -89,8 +99,21 @@ class LlamaModel:
         xp, c = self.backend.xp, self.config
         q = self.write_kv(residual, w, k_cache, v_cache, batch)  # [T, Hq, D]
         attn = self._attention(q, k_cache, v_cache, batch, 1.0 / float(np.sqrt(c.head_dim)))  # [T, Hq, D]
-        add_linear(xp, residual, attn.reshape(residual.shape[0], c.num_heads * c.head_dim), w.o)
-        add_linear(xp, residual, norm_gate_up_swiglu(xp, residual, w.post_norm, c.rms_norm_eps, w.gate_up), w.down)
+        self._add_row_parallel(residual, attn.reshape(residual.shape[0], c.num_heads * c.head_dim), w.o)
+        self._add_row_parallel(residual, norm_gate_up_swiglu(xp, residual, w.post_norm, c.rms_norm_eps, w.gate_up),
+                               w.down)
+
+    def _add_row_parallel(self, residual: Any, x: Any, w: Any) -> None:
+        """residual [T, H] fp32 += x @ w.T; with a group, x and w hold this rank's share of the inputs,
+        and the ranks' partial products are summed before they are added."""
+        xp = self.backend.xp
+        if self.group is None:
+            add_linear(xp, residual, x, w)
+            return
+        partial = xp.zeros_like(residual)  # [T, H]
+        add_linear(xp, partial, x, w)
+        self.group.all_reduce(partial)
+        residual += partial
 
     def write_kv(self, residual: Any, w: LayerWeights, k_cache: Any, v_cache: Any, batch: DeviceBatch) -> Any:
         """A layer's first step alone: the K/V of residual [T, H] fp32 written at the batch's slots;
@@ -111,5 +134,12 @@ class LlamaModel:
                                batch.positions, scale)
 
     def compute_logits(self, hidden: Any, out: Any | None = None) -> Any:
-        """hidden [R, H] -> logits [R, V] fp32 (into `out` when given)."""
-        return linear(self.backend.xp, hidden, self.lm_head, np.float32, out=out)
+        """hidden [R, H] -> logits [R, V] fp32 (into `out` when given); with a group, each rank's
+        vocabulary slice gathered."""
+        if self.group is None:
+            return linear(self.backend.xp, hidden, self.lm_head, np.float32, out=out)
+        logits = self.group.all_gather(linear(self.backend.xp, hidden, self.lm_head, np.float32))  # [R, V]
+        if out is not None:
+            out[...] = logits
+            return out
+        return logits

@@ -1,0 +1,103 @@
+"""Tensor parallelism's arithmetic on the CPU: a tiny model's weights split N ways, each rank a thread
+that computes its partial results and sums them with the others' as the all-reduce does, give the
+unsharded model's logits and K/V."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from tiny_models import tiny_model_paths
+
+from cupyspec.backend import select_backend
+from cupyspec.loader import load_model
+from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
+from cupyspec.model.kv_arrays import KVCacheArrays
+from cupyspec.model.llama import LlamaModel
+from cupyspec.parallel.groups import ThreadGroup
+from cupyspec.parallel.sharding import plan_shard, shard_config, shard_weights
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+
+
+@pytest.fixture(scope="module", params=[("llama", False), ("qwen2", False), ("llama", True)],
+                ids=["llama", "qwen2", "tied"])
+def tiny(request, tmp_path_factory):
+    arch, tied = request.param
+    return load_model(str(tiny_model_paths(tmp_path_factory.mktemp(arch), arch, tied=tied)[1]))
+
+
+def _segments(vocab_size: int) -> list[Segment]:
+    """A prompt chunk, a decode step and a verify-like run, each of its own sequence."""
+    rng = np.random.default_rng(3)
+    return [Segment(rng.integers(0, vocab_size, 13).tolist(), 0, list(range(0, 8))),
+            Segment(rng.integers(0, vocab_size, 1).tolist(), 0, list(range(8, 12))),
+            Segment(rng.integers(0, vocab_size, 4).tolist(), 0, list(range(12, 24)))]
+
+
+def _run(config, weights, group=None):
+    """The model over the segments: logits [T, V] and the K/V arrays it wrote."""
+    backend = select_backend("cpu")
+    model = LlamaModel(config, weights, backend, group)
+    kv = KVCacheArrays(np, config, NUM_BLOCKS, BLOCK_SIZE, backend.dtype)
+    batch = build_flat_batch(_segments(config.vocab_size), BLOCK_SIZE)
+    return model.compute_logits(model.forward(DeviceBatch.of(np, batch), kv)), kv
+
+
+def _run_ranks(loaded, size: int) -> list:
+    """Each rank's (logits, K/V, shard), computed by `size` threads that meet at every collective."""
+    groups, results, errors = ThreadGroup.create(size), [None] * size, []
+
+    def rank(r: int) -> None:
+        try:
+            shard = plan_shard(loaded.config, r, size)
+            logits, kv = _run(shard_config(loaded.config, shard), shard_weights(loaded.weights, loaded.config, shard),
+                              groups[r])
+            results[r] = logits, kv, shard
+        except BaseException as exc:  # noqa: BLE001 - reported below; the other ranks must not wait on it
+            errors.append(exc)
+            groups[r].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert all(r is not None for r in results), "a rank did not finish"
+    return results
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_ranks_summed_give_the_unsharded_logits_and_kv(tiny, size):
+    """Two ranks split the tiny model's 2 K/V heads; four replicate them (each rank's one query head
+    attends with its group's K/V head)."""
+    want_logits, want_kv = _run(tiny.config, tiny.weights)
+    d = tiny.config.head_dim
+    for logits, kv, shard in _run_ranks(tiny, size):
+        np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-4)
+        heads = slice(shard.kv_heads.start, shard.kv_heads.stop)
+        np.testing.assert_allclose(kv.k, want_kv.k[..., heads, :], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(kv.v, want_kv.v[..., heads, :], rtol=0, atol=1e-5)
+        assert kv.k.shape[-2:] == (len(shard.kv_heads), d)
+    assert np.abs(want_logits).max() > 0.1  # not degenerate
+
+
+def test_the_shards_cover_every_head_column_and_token_once(tiny):
+    config = tiny.config
+    shards = [plan_shard(config, r, 4) for r in range(4)]
+    assert [h for s in shards for h in s.q_heads] == list(range(config.num_heads))
+    assert [f for s in shards for f in s.ffn] == list(range(config.intermediate_size))
+    assert [t for s in shards for t in s.vocab] == list(range(config.vocab_size))
+    group = config.num_heads // config.num_kv_heads
+    for s in shards:  # each query head attends with the K/V head of its group, held by its rank
+        assert all(h // group in s.kv_heads for h in s.q_heads)
+
+
+def test_shapes_that_do_not_split_are_refused(tiny):
+    with pytest.raises(ValueError, match="attention heads"):
+        plan_shard(tiny.config, 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        plan_shard(tiny.config, 2, 2)
