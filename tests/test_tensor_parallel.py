@@ -8,13 +8,14 @@ import threading
 
 import numpy as np
 import pytest
-from tiny_models import tiny_model_paths
+from tiny_models import TinySpec, random_head_weights, tiny_model_paths
 
 from cupyspec.backend import select_backend
 from cupyspec.loader import load_model
 from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
+from cupyspec.model.mtp import DRAFT_VOCAB, MTPHead
 from cupyspec.parallel.groups import ThreadGroup
 from cupyspec.parallel.sharding import plan_shard, shard_config, shard_weights
 
@@ -46,16 +47,14 @@ def _run(config, weights, group=None):
     return model.compute_logits(model.forward(DeviceBatch.of(np, batch), kv)), kv
 
 
-def _run_ranks(loaded, size: int) -> list:
-    """Each rank's (logits, K/V, shard), computed by `size` threads that meet at every collective."""
+def _in_ranks(size: int, work) -> list:
+    """work(rank, group) in `size` threads, one per rank, which meet at every collective: each
+    rank's result."""
     groups, results, errors = ThreadGroup.create(size), [None] * size, []
 
     def rank(r: int) -> None:
         try:
-            shard = plan_shard(loaded.config, r, size)
-            logits, kv = _run(shard_config(loaded.config, shard), shard_weights(loaded.weights, loaded.config, shard),
-                              groups[r])
-            results[r] = logits, kv, shard
+            results[r] = work(r, groups[r])
         except BaseException as exc:  # noqa: BLE001 - reported below; the other ranks must not wait on it
             errors.append(exc)
             groups[r].abort()
@@ -68,6 +67,21 @@ def _run_ranks(loaded, size: int) -> list:
     assert not errors, errors
     assert all(r is not None for r in results), "a rank did not finish"
     return results
+
+
+def _sharded(config, weights, rank: int, size: int):
+    """Rank `rank`'s shard of a model: (shard, its config, its weights)."""
+    shard = plan_shard(config, rank, size)
+    return shard, shard_config(config, shard), shard_weights(weights, config, shard)
+
+
+def _run_ranks(loaded, size: int) -> list:
+    """Each rank's (logits, K/V, shard)."""
+    def work(r, group):
+        shard, config, weights = _sharded(loaded.config, loaded.weights, r, size)
+        return *_run(config, weights, group), shard
+
+    return _in_ranks(size, work)
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -101,3 +115,36 @@ def test_shapes_that_do_not_split_are_refused(tiny):
         plan_shard(tiny.config, 0, 3)
     with pytest.raises(ValueError, match="rank"):
         plan_shard(tiny.config, 2, 2)
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_a_sharded_mtp_head_gives_the_unsharded_heads_logits(tiny, draft_vocab):
+    """The head's layer splits as the target's, its input rows embed through the ranks' vocabulary
+    slices, and its logits (over a draft vocabulary that spans the slices unevenly) are gathered."""
+    spec = TinySpec(arch=tiny.config.architecture)
+    head_weights = random_head_weights(spec)
+    if draft_vocab:
+        head_weights[DRAFT_VOCAB] = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 300], np.int64)
+    backend = select_backend("cpu")
+    tokens = np.random.default_rng(5).integers(0, tiny.config.vocab_size, 11).tolist()
+
+    def head_logits(config, weights, head, group=None):
+        model = LlamaModel(config, weights, backend, group)
+        mtp = MTPHead(model, head)
+        kv = KVCacheArrays(np, config, NUM_BLOCKS, BLOCK_SIZE, backend.dtype, extra_layers=1)
+        blocks = list(range(NUM_BLOCKS))
+        hidden = model.forward_residual(DeviceBatch.of(np, build_flat_batch([Segment(tokens, 0, blocks)], BLOCK_SIZE)),
+                                        kv)  # [11, H]
+        head_batch = build_flat_batch([Segment(tokens[1:], 0, blocks)], BLOCK_SIZE)
+        return mtp.logits(mtp.step(hidden[:-1], DeviceBatch.of(np, head_batch), kv))  # [10, Vd]
+
+    want = head_logits(tiny.config, tiny.weights, head_weights)
+
+    def work(r, group):
+        shard, config, weights = _sharded(tiny.config, tiny.weights, r, 2)
+        return head_logits(config, weights, shard_weights(head_weights, tiny.config, shard), group)
+
+    results = _in_ranks(2, work)
+    assert want.shape[1] == (13 if draft_vocab else tiny.config.vocab_size)
+    for got in results:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)

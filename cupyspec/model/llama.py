@@ -84,13 +84,23 @@ class LlamaModel:
     def forward_residual(self, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """Run every layer over the batch, writing its K/V; returns the residual stream after the last
         layer, before the final norm [T, H] fp32 (the hidden state an MTP head reads)."""
-        residual = embed_tokens(self.backend.xp, self.embed, batch.input_ids, batch.previous_tokens,
-                                self.vocab_first)  # [T, H] fp32
-        if self.group is not None:
-            self.group.all_reduce(residual)
+        residual = self.embed_rows(batch.input_ids, batch.previous_tokens)  # [T, H] fp32
         for i, w in enumerate(self.layers):
             self.run_layer(residual, w, kv.k[i], kv.v[i], batch)
         return residual
+
+    def embed_rows(self, ids: Any, previous: Any) -> Any:
+        """The embedding's fp32 rows [T, H] for ids [T] (placeholders as embed_tokens takes them);
+        with a group, each rank's vocabulary slice summed."""
+        rows = embed_tokens(self.backend.xp, self.embed, ids, previous, self.vocab_first)  # [T, H]
+        if self.group is not None:
+            self.group.all_reduce(rows)
+        return rows
+
+    def gather_vocab(self, logits: Any) -> Any:
+        """Logits [R, V_r] over this rank's vocabulary slice -> [R, V] over the ranks' (as they are
+        without a group)."""
+        return logits if self.group is None else self.group.all_gather(logits)
 
     def run_layer(self, residual: Any, w: LayerWeights, k_cache: Any, v_cache: Any, batch: DeviceBatch) -> None:
         """One decoder layer over the batch, in place on residual [T, H] fp32, writing the layer's K/V
@@ -138,7 +148,7 @@ class LlamaModel:
         vocabulary slice gathered."""
         if self.group is None:
             return linear(self.backend.xp, hidden, self.lm_head, np.float32, out=out)
-        logits = self.group.all_gather(linear(self.backend.xp, hidden, self.lm_head, np.float32))  # [R, V]
+        logits = self.gather_vocab(linear(self.backend.xp, hidden, self.lm_head, np.float32))  # [R, V]
         if out is not None:
             out[...] = logits
             return out

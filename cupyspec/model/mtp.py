@@ -39,7 +39,6 @@ from safetensors.numpy import load_file
 from cupyspec.config import ModelConfig
 from cupyspec.kernels import load_kernel
 from cupyspec.model.batch import DeviceBatch
-from cupyspec.model.embedding import embed_tokens
 from cupyspec.model.fused import rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import add_linear, linear
@@ -123,7 +122,11 @@ class MTPHead:
         self.vocab_size = config.vocab_size
         vocab = weights.get(DRAFT_VOCAB)
         self.draft_vocab = None if vocab is None else xp.asarray(vocab)  # [Vd] int64, or None: every token
-        self.lm_head = target.lm_head if vocab is None else xp.ascontiguousarray(target.lm_head[self.draft_vocab])
+        self.lm_head = target.lm_head  # [V_r, H]: the target's, or its rank's vocabulary slice
+        if vocab is not None:  # the draft vocabulary's rows among them: its ids ascend, as the ranks' slices do
+            first = target.vocab_first or 0
+            mine = vocab[(vocab >= first) & (vocab < first + target.lm_head.shape[0])] - first
+            self.lm_head = xp.ascontiguousarray(target.lm_head[xp.asarray(mine)])  # [Vd_r, H]
 
     def step(self, hidden: Any, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """hidden [T, H] fp32 (the target's pre-norm hidden states, or the head's own) over a batch
@@ -152,8 +155,8 @@ class MTPHead:
         dtype. On a GPU with fp16 weights cuda/mtp_input.cu; these lines are its twin."""
         xp, dt, eps = self.target.backend.xp, self.target.backend.dtype, self.target.config.rms_norm_eps
         num_tokens, width = hidden.shape
-        if xp is np or np.dtype(dt) != np.float16 or width % 4:
-            embedded = embed_tokens(xp, self.target.embed, batch.input_ids, batch.previous_tokens)  # [T, H] fp32
+        if xp is np or np.dtype(dt) != np.float16 or width % 4 or self.target.group is not None:
+            embedded = self.target.embed_rows(batch.input_ids, batch.previous_tokens)  # [T, H] fp32
             return xp.concatenate([rms_norm(xp, embedded, self.enorm, eps, dt),
                                    rms_norm(xp, hidden, self.hnorm, eps, dt)], axis=1)
         out = xp.empty((num_tokens, 2 * width), dtype=np.float16)
@@ -167,8 +170,9 @@ class MTPHead:
 
     def logits(self, residual: Any) -> Any:
         """The head's residual [R, H] -> logits [R, Vd] fp32 over its draft vocabulary (Vd = V without
-        one) through the target's final norm and LM head."""
-        return linear(self.target.backend.xp, self.target.final_normed(residual), self.lm_head, np.float32)
+        one) through the target's final norm and LM head (its rank's rows gathered)."""
+        return self.target.gather_vocab(linear(self.target.backend.xp, self.target.final_normed(residual),
+                                               self.lm_head, np.float32))
 
     def token_ids(self, columns: Any) -> Any:
         """The token ids of columns of `logits` (any shape, int)."""
