@@ -119,7 +119,6 @@ class MTPHead:
         self.eh_proj = xp.asarray(weights["mtp.eh_proj.weight"], dtype=backend.dtype)  # [H, 2H]
         self.layer = layer_weights(weights, LAYER_PREFIX, config, backend)
         self.kv_layer = config.num_layers
-        self.vocab_size = config.vocab_size
         vocab = weights.get(DRAFT_VOCAB)
         self.draft_vocab = None if vocab is None else xp.asarray(vocab)  # [Vd] int64, or None: every token
         self.lm_head = target.lm_head  # [V_r, H]: the target's, or its rank's vocabulary slice

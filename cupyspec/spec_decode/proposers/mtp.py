@@ -107,7 +107,7 @@ class MTPDrafting:
         """q [Sd, Vd] over the head's draft vocabulary -> [Sd, V] over the target's."""
         if self.head.draft_vocab is None:
             return q
-        full = xp.zeros((q.shape[0], self.head.vocab_size), dtype=q.dtype)  # [Sd, V]
+        full = xp.zeros((q.shape[0], self.head.target.config.vocab_size), dtype=q.dtype)  # [Sd, V]
         full[:, self.head.draft_vocab] = q
         return full
 
