@@ -93,6 +93,8 @@ class EngineConfig:
     stream_interval: int = 1  # deliver a request's outputs every this many tokens (first and last at once)
     # CPU: threads of the BLAS library that runs the matrix products (None: the CPUs the process may use)
     cpu_threads: int | None = None
+    # ranks the model is split across: GPUs 0..N-1 (on the CPU, threads), cupyspec/parallel/
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -101,5 +103,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be an integer >= 1 or None, not {self.cpu_threads!r}")
         if self.warm_up not in (None, True, False):
             raise ValueError(f"warm_up must be true, false or None, not {self.warm_up!r}")
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {self.tensor_parallel_size!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, not {self.stream_interval!r}")

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import importlib
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,19 +60,18 @@ def sm_count(device: int) -> int:
 # ---------------------------------------------------------------- programmatic dependent launch
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
-_programmatic = False  # launches allow programmatic dependent launch
+_launches = threading.local()  # .programmatic: this thread's launches allow programmatic dependent launch
 
 
 @contextlib.contextmanager
 def programmatic_launches() -> Iterator[None]:
-    """Kernels launched inside (on any thread: capture a graph with nothing else running) may
-    overlap the kernel before them up to its grid-dependency wait."""
-    global _programmatic
-    _programmatic = True
+    """Kernels this thread launches inside may overlap the kernel before them up to its
+    grid-dependency wait (each rank of a tensor-parallel group captures its graphs on its own thread)."""
+    _launches.programmatic = True
     try:
         yield
     finally:
-        _programmatic = False
+        _launches.programmatic = False
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union at offset 8
@@ -127,7 +127,7 @@ class Kernel:
         self.raw.max_dynamic_shared_size_bytes = size
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
-        if not _programmatic:
+        if not getattr(_launches, "programmatic", False):
             self.raw(grid, block, args, shared_mem=shared_mem)
             return
         import cupy

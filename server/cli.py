@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU: threads of the BLAS library that runs the model's matrix products (default: the "
                         "CPUs this process may use, unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set); "
                         "fewer where other busy processes share the cores")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model's heads, MLP and vocabulary across GPUs 0..N-1 (on the CPU, threads)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -121,7 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         head_file(speculative, args.model)  # an MTP head is given or ships for the model
     return EngineConfig(
         model=args.model, device=args.device, served_model_name=args.served_model_name, seed=args.seed,
-        cpu_threads=args.cpu_threads,
+        cpu_threads=args.cpu_threads, tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),

@@ -42,9 +42,10 @@ def test_engine_config_from_arguments() -> None:
         "--model", "m.gguf", "--served-model-name", "m", "--device", "cpu", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "512", "--max-model-len", "1024", "--block-size", "32",
         "--kv-cache-memory", "64MiB", "--no-prefix-caching", "--max-waiting-requests", "5", "--seed", "3",
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+        "--tensor-parallel-size", "2", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     config = engine_config(args)
     assert (config.model, config.served_model_name, config.device, config.seed) == ("m.gguf", "m", "cpu", 3)
+    assert config.tensor_parallel_size == 2
     assert (config.cache.block_size, config.cache.kv_cache_memory_bytes, config.cache.enable_prefix_caching) == (
         32, 64 * 2**20, False)
     s = config.scheduler
@@ -61,6 +62,7 @@ def test_engine_config_from_arguments() -> None:
     (["--block-size", "12"], "block_size must be a power of two"),
     (["--kv-cache-memory", "lots"], "not a size"),
     (["--cpu-threads", "0"], "cpu_threads must be an integer >= 1"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an integer >= 1"),
 ])
 def test_bad_configuration_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -15,17 +15,16 @@ from jinja2 import TemplateError
 from cupyspec.backend import Backend, limit_cpu_threads, select_backend
 from cupyspec.config import EngineConfig
 from cupyspec.engine.admission import check_request
+from cupyspec.engine.build_runner import build_runner
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
-from cupyspec.engine.runner import ModelRunner
 from cupyspec.engine.step_loop import StepLoop
 from cupyspec.engine.warm_up import run_warm_up
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.loader import LoadedModel, load_model
 from cupyspec.metrics import EngineMetrics
-from cupyspec.model.kv_arrays import KVCacheArrays, kv_cache_blocks
 from cupyspec.model.linear import KERNEL_MAX_ROWS
-from cupyspec.model.llama import LlamaModel
 from cupyspec.outputs import RequestOutput
+from cupyspec.parallel.runner import ParallelRunner
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
 from cupyspec.scheduling.block_manager import BlockManager
@@ -33,7 +32,6 @@ from cupyspec.scheduling.scheduler import Scheduler
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.drafter import Drafter
 from cupyspec.spec_decode.proposers.factory import make_proposer, mtp_proposer
-from cupyspec.spec_decode.proposers.mtp import make_mtp_drafting
 from cupyspec.spec_decode.speculative_config import RequestSpeculation
 from cupyspec.spec_decode.stats import SpecStats
 from cupyspec.text.detokenizer import IncrementalDetokenizer
@@ -73,21 +71,15 @@ class AsyncEngine:
         if requested is not None and requested > context:
             raise ValueError(f"max_model_len {requested} exceeds the model's context length {context}")
         self.max_model_len = requested or context
-        model = LlamaModel(loaded.config, loaded.weights, backend)
         proposer = make_proposer(config.speculative)
-        mtp = make_mtp_drafting(config.speculative, model, mtp_proposer(proposer), self.max_model_len, config.model)
-        heads = int(mtp is not None)  # an MTP head's K/V is one more layer of the pool
-        block_size = config.cache.block_size
-        num_blocks = kv_cache_blocks(config.cache, backend,
-                                     KVCacheArrays.bytes_per_block(loaded.config, block_size, backend.dtype, heads))
-        kv = KVCacheArrays(backend.xp, loaded.config, num_blocks, block_size, backend.dtype, heads)
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, bool(heads))
+        mtp = mtp_proposer(proposer)
         graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
+        self.runner, num_blocks = build_runner(config, loaded, backend, mtp, self.max_model_len, graph_tokens)
+        block_size = config.cache.block_size
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, mtp is not None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
-                                   config.speculative.num_model_steps - 1 if heads else 0,
+                                   config.speculative.num_model_steps - 1 if mtp is not None else 0,
                                    graph_tokens if backend.is_cuda else 0)
-        self.runner = ModelRunner(model, kv, backend, config.speculative, config.overlap_logprobs, graph_tokens,
-                                  self.max_model_len, config.scheduler.max_num_seqs, self.tokenizer, mtp)
         self.metrics = EngineMetrics(self.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished, config.stream_interval)
         self.step_loop = StepLoop(config, self.scheduler, self.runner, self.outputs,
@@ -95,8 +87,9 @@ class AsyncEngine:
                                   backend.is_cuda)
         self._rng = np.random.default_rng(config.seed)
         self._loop_task: asyncio.Task | None = None
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_name, backend.device, num_blocks, block_size, self.max_model_len)
+        log.info("engine ready: %s on %s%s, %d KV blocks of %d tokens, max_model_len %d", self.model_name,
+                 backend.device, f" x{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
+                 num_blocks, block_size, self.max_model_len)
 
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncEngine:
@@ -246,3 +239,5 @@ class AsyncEngine:
             await asyncio.wait_for(self._loop_task, timeout=max(5.0, timeout))
         except asyncio.TimeoutError:
             self._loop_task.cancel()
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()

@@ -68,6 +68,15 @@ class LaunchedStep(NamedTuple):
         host (collecting would not wait; the drafts are waited for when proposed)."""
         return self.transfer.done() and (self.verdict is None or self.verdict.done())
 
+    def wait_copies(self) -> None:
+        """Wait for every copy to the host the step started, leaving its results unread; its pinned
+        buffers may then serve other copies (a tensor-parallel rank's step whose results the first
+        rank's step gives: cupyspec/parallel/runner.py)."""
+        transfers = (self.transfer, self.mtp_drafts, *(self.verdict.transfers() if self.verdict else ()))
+        for transfer in transfers:
+            if transfer is not None:
+                transfer.result()
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheArrays, backend: Backend, speculative: SpeculativeConfig,

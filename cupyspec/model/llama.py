@@ -65,8 +65,11 @@ class LlamaModel:
                  group: Group | None = None) -> None:
         xp, dt = backend.xp, backend.dtype
         self.config, self.backend, self.group = config, backend, group
-        # the token id of the embedding's and LM head's row 0: a rank's vocabulary slice
+        # the token id of the embedding's and LM head's row 0 (a rank's vocabulary slice), and the
+        # sizes of the ranks' slices
         self.vocab_first = None if group is None else vocab_slice(config.vocab_size, group.rank, group.size).start
+        self.vocab_widths = None if group is None else \
+            tuple(len(vocab_slice(config.vocab_size, r, group.size)) for r in range(group.size))
         self.layers = [layer_weights(weights, f"model.layers.{i}.", config, backend) for i in range(config.num_layers)]
         self.embed = xp.asarray(weights["model.embed_tokens.weight"], dtype=dt)  # [V, H]
         self.lm_head = self.embed if config.tie_word_embeddings else matrix(xp, dt, weights, "lm_head.weight")  # [V, H]
@@ -97,10 +100,12 @@ class LlamaModel:
             self.group.all_reduce(rows)
         return rows
 
-    def gather_vocab(self, logits: Any) -> Any:
+    def gather_vocab(self, logits: Any, widths: tuple[int, ...] | None = None) -> Any:
         """Logits [R, V_r] over this rank's vocabulary slice -> [R, V] over the ranks' (as they are
-        without a group)."""
-        return logits if self.group is None else self.group.all_gather(logits)
+        without a group); widths: the ranks' V_r, when they are not the ranks' vocabulary slices."""
+        if self.group is None:
+            return logits
+        return self.group.all_gather(logits, widths or self.vocab_widths)
 
     def run_layer(self, residual: Any, w: LayerWeights, k_cache: Any, v_cache: Any, batch: DeviceBatch) -> None:
         """One decoder layer over the batch, in place on residual [T, H] fp32, writing the layer's K/V

@@ -122,10 +122,14 @@ class MTPHead:
         vocab = weights.get(DRAFT_VOCAB)
         self.draft_vocab = None if vocab is None else xp.asarray(vocab)  # [Vd] int64, or None: every token
         self.lm_head = target.lm_head  # [V_r, H]: the target's, or its rank's vocabulary slice
+        self.vocab_widths = target.vocab_widths  # with a group, the ranks' columns of `logits`
         if vocab is not None:  # the draft vocabulary's rows among them: its ids ascend, as the ranks' slices do
             first = target.vocab_first or 0
             mine = vocab[(vocab >= first) & (vocab < first + target.lm_head.shape[0])] - first
             self.lm_head = xp.ascontiguousarray(target.lm_head[xp.asarray(mine)])  # [Vd_r, H]
+            if target.group is not None:
+                bounds = np.cumsum((0, *target.vocab_widths))  # the ranks' slices, as token ids
+                self.vocab_widths = tuple(np.diff(np.searchsorted(vocab, bounds)).tolist())
 
     def step(self, hidden: Any, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """hidden [T, H] fp32 (the target's pre-norm hidden states, or the head's own) over a batch
@@ -171,7 +175,7 @@ class MTPHead:
         """The head's residual [R, H] -> logits [R, Vd] fp32 over its draft vocabulary (Vd = V without
         one) through the target's final norm and LM head (its rank's rows gathered)."""
         return self.target.gather_vocab(linear(self.target.backend.xp, self.target.final_normed(residual),
-                                               self.lm_head, np.float32))
+                                               self.lm_head, np.float32), self.vocab_widths)
 
     def token_ids(self, columns: Any) -> Any:
         """The token ids of columns of `logits` (any shape, int)."""

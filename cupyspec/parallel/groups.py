@@ -2,13 +2,17 @@
 weights and meets the others at the all-reduce after each row-parallel product and at the
 all-gather of the logits.
 
-`ThreadGroup` serves ranks that are threads of one process, on NumPy: the CPU's reference for the
-sharded arithmetic, whose sums run in rank order, so every rank holds the same result.
+- `ThreadGroup` serves ranks that are threads of one process, on NumPy: the CPU's reference for
+  the sharded arithmetic, whose sums run in rank order, so every rank holds the same result.
+- `NcclGroup` serves ranks that are threads of one process, one GPU each, over NCCL
+  (`cupy.cuda.nccl`): each call is queued on the rank's current stream, so a CUDA graph captures it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,8 +27,11 @@ class Group(Protocol):
     def all_reduce(self, x: Any) -> None:
         """x (the same shape on every rank) becomes the sum over the ranks, in place."""
 
-    def all_gather(self, x: Any) -> Any:
-        """The ranks' x [R, N_r] side by side: [R, sum of N_r], in rank order."""
+    def all_gather(self, x: Any, widths: Sequence[int]) -> Any:
+        """The ranks' x [R, widths[r]] side by side: [R, sum(widths)], in rank order."""
+
+    def abort(self) -> None:
+        """Release the ranks waiting at a collective that a failed rank will never reach."""
 
 
 class _Rendezvous:
@@ -48,8 +55,7 @@ class ThreadGroup:
         return [cls(rendezvous, rank) for rank in range(size)]
 
     def abort(self) -> None:
-        """Break the rendezvous: a rank that fails must not leave the others waiting, whose waits
-        then raise threading.BrokenBarrierError."""
+        """Break the rendezvous: the others' waits raise threading.BrokenBarrierError."""
         self._meet.barrier.abort()
 
     def _exchange(self, x: Any) -> list[Any]:
@@ -68,5 +74,62 @@ class ThreadGroup:
             total += other
         x[...] = total
 
-    def all_gather(self, x: Any) -> Any:
-        return np.concatenate(self._exchange(x), axis=1)
+    def all_gather(self, x: Any, widths: Sequence[int]) -> Any:
+        arrays = self._exchange(x)
+        if [a.shape[1] for a in arrays] != list(widths):
+            raise ValueError(f"all_gather: the ranks' widths are {[a.shape[1] for a in arrays]}, not {list(widths)}")
+        return np.concatenate(arrays, axis=1)
+
+
+class NcclGroup:
+    """Rank `rank` of a group of GPUs driven by threads of one process (`NcclGroup.create`); each rank
+    calls from its own thread, with its GPU current. NCCL sums in an order of its own, but every
+    rank receives the same sum."""
+
+    def __init__(self, communicator: Any, rank: int, size: int) -> None:
+        self._comm, self.rank, self.size = communicator, rank, size
+
+    @classmethod
+    def create(cls, devices: Sequence[int]) -> list[NcclGroup]:
+        """The ranks of a new group over CUDA devices `devices`, rank r on devices[r]. NVLink multicast
+        (NVLS) stays off: on a shared host, a program that uses it can put the GPUs out of service."""
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        from cupy.cuda import nccl
+
+        communicators = nccl.NcclCommunicator.initAll(list(devices))
+        return [cls(communicator, rank, len(devices)) for rank, communicator in enumerate(communicators)]
+
+    def all_reduce(self, x: Any) -> None:
+        from cupy.cuda import get_current_stream, nccl
+
+        self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_type(x.dtype), nccl.NCCL_SUM,
+                             get_current_stream().ptr)
+
+    def all_gather(self, x: Any, widths: Sequence[int]) -> Any:
+        """NCCL gathers equal counts: each rank's x goes padded to the widest, then the padding is cut."""
+        import cupy
+
+        rows, width = x.shape[0], max(widths)
+        send = x if x.shape[1] == width else cupy.zeros((rows, width), x.dtype)  # [R, width]
+        if send is not x:
+            send[:, :x.shape[1]] = x
+        send = cupy.ascontiguousarray(send)
+        gathered = cupy.empty((self.size, rows, width), x.dtype)  # [ranks, R, width]
+        self._comm.allGather(send.data.ptr, gathered.data.ptr, send.size, _nccl_type(x.dtype),
+                             cupy.cuda.get_current_stream().ptr)
+        if all(w == width for w in widths):
+            return gathered.transpose(1, 0, 2).reshape(rows, -1)  # a copy: [R, ranks * width]
+        return cupy.concatenate([gathered[r, :, :w] for r, w in enumerate(widths)], axis=1)
+
+    def abort(self) -> None:
+        """Abort the communicator: NCCL work queued on any rank's GPU ends with an error instead of
+        waiting for this rank."""
+        self._comm.abort()
+
+
+def _nccl_type(dtype: Any) -> int:
+    from cupy.cuda import nccl
+
+    types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
+             np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int64): nccl.NCCL_INT64}
+    return types[np.dtype(dtype)]

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from cupyspec.config import ModelConfig
 from cupyspec.loader.default_model import shipped_mtp_head
 from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.kv_arrays import KVCacheArrays
@@ -262,12 +263,17 @@ def head_file(config: SpeculativeConfig, served_model: str) -> tuple[str, str | 
     return str(path), sha256
 
 
+def mtp_head_weights(config: SpeculativeConfig, target: ModelConfig, served_model: str) -> dict[str, np.ndarray]:
+    """The weights of the head `head_file` names, checked against the target's shape `target`."""
+    path, sha256 = head_file(config, served_model)
+    return load_head_weights(path, target, sha256)
+
+
 def make_mtp_drafting(config: SpeculativeConfig, target: LlamaModel, mtp: MTPProposer | None,
-                      max_model_len: int, served_model: str) -> MTPDrafting | None:
-    """The head's drafting for the proposer `mtp` (factory.mtp_proposer), its weights loaded from
-    `head_file`; None when the config speculates otherwise."""
+                      max_model_len: int, weights: dict[str, np.ndarray] | None) -> MTPDrafting | None:
+    """The head's drafting for the proposer `mtp` (factory.mtp_proposer) over `target`, from the
+    head's weights (`mtp_head_weights`, or a rank's shard of them); None when the config speculates
+    otherwise."""
     if mtp is None:
         return None
-    path, sha256 = head_file(config, served_model)
-    head = MTPHead(target, load_head_weights(path, target.config, sha256))
-    return MTPDrafting(head, config.num_model_steps, mtp, max_model_len)
+    return MTPDrafting(MTPHead(target, weights), config.num_model_steps, mtp, max_model_len)

@@ -137,6 +137,10 @@ class PendingVerdict:
         drafts = host[2 * num_seqs:].reshape(num_seqs, -1) if host.ndim == 1 else None
         return StepVerdict(num_accepted, emitted, self.logprobs() if logprobs else self._none, drafts)
 
+    def transfers(self) -> tuple[HostTransfer, ...]:
+        """Its copies to the host: the verdict's, then the logprobs' when there are any."""
+        return (self._runs,) if self._logprobs is None else (self._runs, self._logprobs)
+
     def logprobs(self) -> StepLogprobs:
         """Each request's logprobs; waits for them."""
         if self._logprobs is None:

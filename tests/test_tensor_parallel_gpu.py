@@ -1,0 +1,108 @@
+"""Tensor parallelism on two GPUs: NCCL's collectives in and out of CUDA graphs, and the engine split
+across the GPUs giving one GPU's greedy outputs (up to near-ties: the ranks' partial sums round
+differently) on a random model worth splitting, with and without an MTP head."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from random_model import Shape, write_random_model
+from test_cuda_graphs import NEAR_TIE, assert_equal_up_to_near_ties
+from tiny_models import TinySpec, random_head_weights, write_head_file
+
+from cupyspec.config import CacheConfig, EngineConfig
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = Shape("llama", 1024, 4, 16, 4, 2816, 10000.0, 1e-5, 2048, False)  # splits 2 ways (K/V heads too)
+PROMPTS = ["Tell me about the sea.", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18",
+           "Write a poem about the moon and the stars at night."]
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+
+
+@pytest.fixture(scope="module")
+def random_model(default_model_path, tmp_path_factory) -> tuple[str, str]:
+    """A random model of SHAPE with the default model's tokenizer, and a random MTP head for it."""
+    folder = tmp_path_factory.mktemp("tp")
+    path = write_random_model(folder / "random.gguf", SHAPE, default_model_path)
+    head = random_head_weights(TinySpec(hidden=SHAPE.hidden, heads=SHAPE.heads, kv_heads=SHAPE.kv_heads,
+                                        head_dim=SHAPE.hidden // SHAPE.heads, ffn=SHAPE.ffn))
+    return str(path), str(write_head_file(folder / "head.safetensors", head))
+
+
+def test_nccl_sums_and_gathers_uneven_widths_in_and_out_of_a_cuda_graph(two_gpus):
+    import cupy
+
+    from cupyspec.backend import select_backend
+    from cupyspec.parallel.groups import NcclGroup
+    from cupyspec.parallel.ranks import RankThreads
+
+    groups = NcclGroup.create([0, 1])
+    widths = (5, 3)
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+    def work(rank: int):
+        group, stream = groups[rank], cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            summed = cupy.asarray(base * (rank + 1))
+            group.all_reduce(summed)
+            part = cupy.asarray(np.full((3, widths[rank]), rank + 1, np.float32))
+            gathered = group.all_gather(part, widths)
+            replayed = cupy.asarray(base * (rank + 1))
+            stream.begin_capture()
+            group.all_reduce(replayed)
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        return summed.get(), gathered.get(), replayed.get()
+
+    for summed, gathered, replayed in RankThreads(groups, select_backend("cuda")).map(work):
+        np.testing.assert_array_equal(summed, base * 3)
+        np.testing.assert_array_equal(gathered, np.repeat([[1] * 5 + [2] * 3], 3, axis=0))
+        np.testing.assert_array_equal(replayed, base * 3)
+
+
+async def _answers(model: str, size: int, speculative: SpeculativeConfig, cuda_graphs: bool = True) -> list:
+    from cupyspec.engine import AsyncEngine
+
+    engine = await AsyncEngine.create(EngineConfig(
+        model=model, device="cuda", tensor_parallel_size=size, speculative=speculative, cuda_graphs=cuda_graphs,
+        cache=CacheConfig(kv_cache_memory_bytes=1 << 30)))
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2, ignore_eos=True)
+
+    async def answer(prompt: str):
+        tokens, entries = [], []
+        async for out in engine.generate(prompt, params):
+            tokens += [t for d in out.deltas for t in d.token_ids]
+            entries += [e for d in out.deltas for e in d.logprobs or ()]
+        return tokens, entries, b""
+
+    try:
+        return list(await asyncio.gather(*(answer(p) for p in PROMPTS)))
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("method,cuda_graphs", [(None, True), (None, False), ("mtp", True)])
+def test_two_gpus_give_one_gpus_greedy_outputs(two_gpus, random_model, method, cuda_graphs):
+    model, head = random_model
+    speculative = SpeculativeConfig(method="mtp", model=head, num_model_steps=2, num_speculative_tokens=2,
+                                    cost_aware_backoff=False, min_acceptance_rate=0.0) \
+        if method == "mtp" else SpeculativeConfig()
+    one = asyncio.run(_answers(model, 1, SpeculativeConfig()))
+    two = asyncio.run(_answers(model, 2, speculative, cuda_graphs))
+    assert_equal_up_to_near_ties([tokens for tokens, _, _ in two], one)
+    for (tokens, entries, _), (want_tokens, want_entries, _) in zip(two, one):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), len(tokens))
+        assert all(abs(a.logprob - b.logprob) < NEAR_TIE for a, b in zip(entries[:same], want_entries[:same]))
