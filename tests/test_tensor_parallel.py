@@ -4,8 +4,6 @@ unsharded model's logits and K/V."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from tiny_models import TinySpec, random_head_weights, tiny_model_paths
@@ -17,6 +15,7 @@ from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.llama import LlamaModel
 from cupyspec.model.mtp import DRAFT_VOCAB, MTPHead
 from cupyspec.parallel.groups import ThreadGroup
+from cupyspec.parallel.ranks import RankThreads
 from cupyspec.parallel.sharding import plan_shard, shard_config, shard_weights
 
 BLOCK_SIZE = 4
@@ -48,25 +47,9 @@ def _run(config, weights, group=None):
 
 
 def _in_ranks(size: int, work) -> list:
-    """work(rank, group) in `size` threads, one per rank, which meet at every collective: each
-    rank's result."""
-    groups, results, errors = ThreadGroup.create(size), [None] * size, []
-
-    def rank(r: int) -> None:
-        try:
-            results[r] = work(r, groups[r])
-        except BaseException as exc:  # noqa: BLE001 - reported below; the other ranks must not wait on it
-            errors.append(exc)
-            groups[r].abort()
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    assert all(r is not None for r in results), "a rank did not finish"
-    return results
+    """work(rank, group) on `size` ranks, threads meeting at every collective: each rank's result."""
+    groups = ThreadGroup.create(size)
+    return RankThreads(groups, select_backend("cpu")).map(lambda rank: work(rank, groups[rank]))
 
 
 def _sharded(config, weights, rank: int, size: int):

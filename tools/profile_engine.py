@@ -97,7 +97,8 @@ async def serve(engine: AsyncEngine, prompts: list, concurrency: int, endpoint: 
 
 async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, device=args.device, speculative=SpeculativeConfig.from_json(args.speculative_config),
-                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency, 8)))
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency, 8)),
+                          tensor_parallel_size=args.tensor_parallel_size)
     engine = await AsyncEngine.create(config)
     settle_garbage_collector()
     prompts = load_prompts(DatasetSpec(name=args.dataset, num_prompts=args.num_prompts, endpoint=args.endpoint,
@@ -252,4 +253,5 @@ if __name__ == "__main__":
     p.add_argument("--max-tokens", type=int, default=None, help="default: from the dataset")
     p.add_argument("--top-logprobs", type=int, default=None, help="ask every request for this many top logprobs")
     p.add_argument("--speculative-config", default=None, help="JSON, as cupyspec-serve takes it")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across")
     asyncio.run(main(p.parse_args()))

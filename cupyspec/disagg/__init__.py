@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV blocks moved between the pools of separate engines."""

@@ -1,0 +1,96 @@
+"""KV blocks moved between two processes' pools through NIXL, on the CPU (DRAM to DRAM over UCX):
+the blocks read are the peer's, in every layer's K and V, and the peer is notified."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl", reason="KV transfer needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
+
+from tiny_models import TinySpec  # noqa: E402
+
+from cupyspec.config import ModelConfig  # noqa: E402
+from cupyspec.disagg.kv_transfer import KVTransferAgent, KVTransferError, PoolLayout  # noqa: E402
+from cupyspec.model.kv_arrays import KVCacheArrays  # noqa: E402
+
+TIMEOUT = 30  # seconds any one wait of the test may take
+
+
+def pool(num_blocks: int, fill: bool) -> KVCacheArrays:
+    """A pool of a small model's shape (an MTP head's layer included); filled with distinct values."""
+    spec = TinySpec()
+    config = ModelConfig("llama", 64, spec.hidden, spec.ffn, 2, spec.heads, spec.kv_heads, spec.head_dim,
+                         1e4, 1e-5, 512, False, False, None, (0,))
+    kv = KVCacheArrays(np, config, num_blocks, 4, np.float32, extra_layers=1)
+    if fill:
+        kv.k[...] = np.arange(kv.k.size, dtype=np.float32).reshape(kv.k.shape)
+        kv.v[...] = -kv.k
+    return kv
+
+
+def serve_prefill_pool(layouts: multiprocessing.Queue, notes: multiprocessing.Queue) -> None:
+    """The peer process: publish a filled pool's layout, then report the first notification."""
+    agent = KVTransferAgent("prefill", pool(24, fill=True))
+    layouts.put(agent.layout())
+    for _ in range(TIMEOUT * 100):
+        received = agent.notifications()
+        if received:
+            notes.put(received)
+            break
+        time.sleep(0.01)
+    agent.close()
+
+
+def start_peer() -> tuple[multiprocessing.Process, PoolLayout, multiprocessing.Queue]:
+    """The peer process, its pool's layout, and the queue of the notifications it receives."""
+    context = multiprocessing.get_context("spawn")
+    layouts, notes = context.Queue(), context.Queue()
+    peer = context.Process(target=serve_prefill_pool, args=(layouts, notes), daemon=True)
+    peer.start()
+    return peer, layouts.get(timeout=TIMEOUT), notes
+
+
+def test_blocks_read_from_another_process_are_the_peers_and_the_peer_is_notified():
+    peer, layout, notes = start_peer()
+    try:
+        kv = pool(10, fill=False)
+        agent = KVTransferAgent("decode", kv)
+        name = agent.connect(layout)
+        agent.read(name, [3, 7, 8], [0, 1, 5], b"done:req-1").wait(TIMEOUT)
+        source = pool(24, fill=True)
+        np.testing.assert_array_equal(kv.k[:, [0, 1, 5]], source.k[:, [3, 7, 8]])
+        np.testing.assert_array_equal(kv.v[:, [0, 1, 5]], source.v[:, [3, 7, 8]])
+        assert not kv.k[:, [2, 3, 4, 6]].any()  # no other block written
+        assert notes.get(timeout=TIMEOUT) == [("decode", b"done:req-1")]
+        agent.close()
+    finally:
+        peer.join(timeout=TIMEOUT)
+        if peer.is_alive():
+            peer.kill()
+    assert peer.exitcode == 0
+
+
+def test_a_pool_of_another_shape_is_refused():
+    agent, other = KVTransferAgent("a", pool(4, fill=False)), KVTransferAgent("b", pool(4, fill=False))
+    layout = other.layout()
+    narrower = PoolLayout(layout.agent, layout.metadata, layout.regions[:-2], layout.blocks_per_region,
+                          layout.block_bytes, layout.memory, layout.device)
+    with pytest.raises(ValueError, match="does not match ours"):
+        agent.connect(narrower)
+    agent.close()
+    other.close()
+
+
+def test_reading_from_a_process_that_died_fails_with_a_transfer_error():
+    peer, layout, _ = start_peer()
+    agent = KVTransferAgent("decode", pool(10, fill=False))
+    name = agent.connect(layout)
+    peer.kill()
+    peer.join(timeout=TIMEOUT)
+    with pytest.raises(KVTransferError):
+        agent.read(name, [1], [1], b"").wait(TIMEOUT)
+    agent.close()
