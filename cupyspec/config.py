@@ -95,6 +95,8 @@ class EngineConfig:
     cpu_threads: int | None = None
     # ranks the model is split across: GPUs 0..N-1 (on the CPU, threads), cupyspec/parallel/
     tensor_parallel_size: int = 1
+    # prefill role: how long a prefilled prompt's K/V blocks wait for a decode server to read them
+    prefill_hold_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -105,5 +107,7 @@ class EngineConfig:
             raise ValueError(f"warm_up must be true, false or None, not {self.warm_up!r}")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {self.tensor_parallel_size!r}")
+        if not self.prefill_hold_seconds > 0:
+            raise ValueError(f"prefill_hold_seconds must be positive, not {self.prefill_hold_seconds!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, not {self.stream_interval!r}")

@@ -14,6 +14,7 @@ from jinja2 import TemplateError
 
 from cupyspec.backend import Backend, limit_cpu_threads, select_backend
 from cupyspec.config import EngineConfig
+from cupyspec.disagg.handoff import HeldPrompts, PrefilledPrompt, first_token_only
 from cupyspec.engine.admission import check_request
 from cupyspec.engine.build_runner import build_runner
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
@@ -86,6 +87,7 @@ class AsyncEngine:
                                   Drafter(config.speculative, proposer) if proposer is not None else None,
                                   backend.is_cuda)
         self._rng = np.random.default_rng(config.seed)
+        self.held_prompts = HeldPrompts(self.block_manager.release, config.prefill_hold_seconds)
         self._loop_task: asyncio.Task | None = None
         log.info("engine ready: %s on %s%s, %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                  backend.device, f" x{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
@@ -146,6 +148,33 @@ class AsyncEngine:
                        speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Bad input raises before the first yield."""
         request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation)
+        async for output in self._outputs(request):
+            yield output
+
+    async def prefill(self, prompt: list[int], params: SamplingParams, sampling_key: int) -> PrefilledPrompt:
+        """Prefill role: run `prompt` and sample its first token as `generate` would with the choice's
+        `sampling_key` (drawn by the decode server), keeping the prompt's K/V blocks for the decode
+        server to read until `release_prefilled` (or the hold's deadline). InvalidRequestError as
+        `generate`; EngineClosedError if the engine stops first."""
+        request = self._add_request(prompt, first_token_only(params), uuid.uuid4().hex, None, (sampling_key,))
+        seq = request.seqs[0]
+        seq.keep_prompt_kv = True
+        token_id, logprob, prompt_logprobs = None, None, None
+        async for output in self._outputs(request):
+            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+            for delta in output.deltas:
+                token_id = delta.token_ids[0] if delta.token_ids else token_id
+                logprob = delta.logprobs[0] if delta.logprobs else logprob
+        if token_id is None or not seq.kept_blocks:
+            raise EngineClosedError("the prefill did not finish")
+        return PrefilledPrompt(request.request_id, token_id, logprob, prompt_logprobs, seq.kept_blocks)
+
+    def release_prefilled(self, handoff_id: str) -> bool:
+        """Let a prefilled prompt's K/V blocks go; False when they are not held any more."""
+        return self.held_prompts.release(handoff_id)
+
+    async def _outputs(self, request: RequestState) -> AsyncIterator[RequestOutput]:
+        """A request's outputs, as they come; it is aborted if the caller stops reading first."""
         channel = request.channel
         try:
             while True:
@@ -168,7 +197,9 @@ class AsyncEngine:
             self.step_loop.abort(request_id)
 
     def _add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     speculation: RequestSpeculation | None) -> RequestState:
+                     speculation: RequestSpeculation | None,
+                     sampling_keys: tuple[int, ...] | None = None) -> RequestState:
+        """sampling_keys: each choice's key (default: from the seed or the engine's generator)."""
         if self.step_loop.closed:
             raise EngineClosedError("the engine is shutting down")
         if request_id in self.outputs.requests:
@@ -183,7 +214,8 @@ class AsyncEngine:
         now = time.monotonic()
         seqs = [Sequence(request_id=request_id, choice_index=i, prompt_token_ids=list(token_ids), params=params,
                          max_total_tokens=len(token_ids) + max_output, arrival_time=now,
-                         sampling_key=self._sampling_key(params, i), max_drafts=max_drafts,
+                         sampling_key=sampling_keys[i] if sampling_keys else self._sampling_key(params, i),
+                         max_drafts=max_drafts,
                          spec=self.drafter.new_stats() if self.drafter is not None else SpecStats())
                 for i in range(params.n)]
         request = RequestState(
@@ -202,6 +234,8 @@ class AsyncEngine:
         return sampling_key(seed, choice_index)
 
     def _on_sequence_finished(self, seq: Sequence) -> None:
+        if seq.kept_blocks:  # held from now on, so that a prefill whose caller has left expires too
+            self.held_prompts.add(seq.request_id, seq.kept_blocks)
         if self.drafter is not None:
             self.drafter.on_sequence_finished(seq)
 
@@ -239,5 +273,6 @@ class AsyncEngine:
             await asyncio.wait_for(self._loop_task, timeout=max(5.0, timeout))
         except asyncio.TimeoutError:
             self._loop_task.cancel()
+        self.held_prompts.release_all()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()

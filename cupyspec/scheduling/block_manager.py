@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -54,6 +54,7 @@ class BlockManager:
         self._block_of_key: dict[bytes, int] = {}
         self._key_of_block: dict[int, bytes] = {}
         self._seqs: dict[int, _SeqState] = {}  # by seq_id
+        self._held: Counter[int] = Counter()  # references `hold` took, by block
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
 
@@ -166,6 +167,25 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self._seqs.pop(seq.seq_id, None)
 
+    def hold(self, block_ids: Seq[int]) -> tuple[int, ...]:
+        """Take another reference to blocks a sequence holds, kept until `release`: their K/V outlives
+        the sequence (a prefill server's prompt, until a decode server has read it)."""
+        for block in block_ids:
+            if not self._refcount[block]:
+                raise ValueError(f"block {block} is not in use: only blocks a sequence holds can be held")
+            self._take(block)
+        self._held.update(block_ids)
+        return tuple(block_ids)
+
+    def release(self, block_ids: Seq[int]) -> None:
+        """Drop the references `hold` took."""
+        if any(self._held[block] < count for block, count in Counter(block_ids).items()):
+            raise ValueError("releasing blocks that were not held")
+        self._held.subtract(block_ids)
+        self._held = +self._held  # (drops the counts that reached zero)
+        for block in reversed(block_ids):
+            self._release(block)
+
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Raise AssertionError unless the books agree with the blocks held by `live` sequences."""
         expected = [0] * self.num_blocks
@@ -177,6 +197,8 @@ class BlockManager:
                    f"seq {seq.seq_id} has computed tokens outside its blocks")
             for block in seq.block_ids:
                 expected[block] += 1
+        for block, count in self._held.items():
+            expected[block] += count
         _check(expected == self._refcount, "reference counts differ from the blocks held")
         _check(set(self._seqs) <= live_ids, "state kept for a sequence that is not live")
         free, evictable = set(self._free), set(self._evictable)

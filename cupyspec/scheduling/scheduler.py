@@ -102,6 +102,9 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        if seq.keep_prompt_kv and reason != "abort" and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            bm = self.block_manager
+            seq.kept_blocks = bm.hold(seq.block_ids[:bm.blocks_for(seq.num_prompt_tokens)])
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -1,0 +1,59 @@
+"""The prefill role's side of a handoff: a prompt run for a decode server, whose K/V blocks are held
+until the decode server has read them (or a deadline passes)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from cupyspec.outputs import TokenLogprob
+from cupyspec.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefilledPrompt:
+    """A prompt a prefill server ran: the first token it sampled and where the prompt's K/V is."""
+
+    handoff_id: str  # names the held blocks in `release`
+    token_id: int  # the first token, sampled with the decode server's sampling key
+    logprob: TokenLogprob | None  # its record with the request's top logprobs, when the request asks
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None  # when the request asks (entry 0 is None)
+    block_ids: tuple[int, ...]  # the prompt's K/V in the prefill server's pool, in position order
+
+
+def first_token_only(params: SamplingParams) -> SamplingParams:
+    """The request's sampling of its first token alone: one choice, one token, no stop. Logprobs come
+    as records (the decode server renders them as the request asks)."""
+    return replace(params, n=1, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True,
+                   include_draft_logprobs=False, render_logprobs=False)
+
+
+class HeldPrompts:
+    """The K/V blocks held for decode servers, by handoff id; each is released by `release` or, if the
+    decode server never reads it, once `hold_seconds` have passed."""
+
+    def __init__(self, release_blocks: Callable[[Sequence[int]], None], hold_seconds: float) -> None:
+        self._release_blocks, self.hold_seconds = release_blocks, hold_seconds
+        self._held: dict[str, tuple[tuple[int, ...], asyncio.TimerHandle]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, handoff_id: str, block_ids: tuple[int, ...]) -> None:
+        expiry = asyncio.get_running_loop().call_later(self.hold_seconds, self.release, handoff_id)
+        self._held[handoff_id] = (block_ids, expiry)
+
+    def release(self, handoff_id: str) -> bool:
+        """Release a handoff's blocks; False when it is not held (released already, or expired)."""
+        held = self._held.pop(handoff_id, None)
+        if held is None:
+            return False
+        block_ids, expiry = held
+        expiry.cancel()
+        self._release_blocks(block_ids)
+        return True
+
+    def release_all(self) -> None:
+        for handoff_id in list(self._held):
+            self.release(handoff_id)
