@@ -131,3 +131,37 @@ def test_held_blocks_outlive_their_sequence_and_count_in_the_books():
     assert bm.num_used_blocks == 0
     with pytest.raises(ValueError, match="not held"):
         bm.release(blocks)
+
+
+def test_the_first_token_comes_before_the_kv_and_a_request_left_meanwhile_frees_its_blocks(tiny_mtp):
+    """Decode role: the first token is streamed while the fetch is still running; a client that leaves
+    then has its blocks freed once the fetch ends (not before: the fetch writes them)."""
+    model, _ = tiny_mtp
+
+    async def main():
+        prefill, decode = await make_engine(model), await make_engine(model)
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        handed = await prefill.prefill(PROMPT, params, 1)
+        may_finish, asked = asyncio.Event(), []
+
+        async def fetch(remote, local):
+            asked.append((remote, local))
+            await may_finish.wait()
+
+        outputs = decode.generate_prefilled(PROMPT, params, 1, handed, fetch)
+        first = await outputs.__anext__()
+        await outputs.aclose()
+        await asyncio.sleep(0.05)
+        during = decode.stats().num_used_kv_blocks
+        may_finish.set()
+        while decode.handoff_tasks:
+            await asyncio.sleep(0.01)
+        after = decode.stats().num_used_kv_blocks
+        await decode.shutdown()
+        await prefill.shutdown()
+        return first, asked, during, after, handed
+
+    first, asked, during, after, handed = asyncio.run(main())
+    assert tuple(first.deltas[0].token_ids) == (handed.token_id,)
+    assert asked == [(list(handed.block_ids), asked[0][1])] and len(asked[0][1]) == 5
+    assert during == 5 and after == 0

@@ -285,3 +285,54 @@ def test_random_workload_keeps_invariants():
     for seq in list(sched.running) + list(sched.waiting):
         sched.finish(seq, "abort")
     assert sched.block_manager.num_used_blocks == 0
+
+
+def test_a_received_prompt_reuses_its_cached_prefix_and_runs_from_its_first_token():
+    """The decode role: only blocks past the cached prefix are filled; once they arrive the sequence
+    decodes its first token, ahead of waiting sequences."""
+    sched = make_scheduler(max_num_seqs=1)
+    cached = make_seq(8, max_new=1)
+    sched.add(cached)
+    step(sched)
+    sched.finish(cached, "length")  # its two full blocks stay cached
+    seq = make_seq(10)
+    seq.output_token_ids.append(99)  # the first token, from the prefill server
+    first_block = sched.reserve_prefilled(seq)
+    assert first_block == 2 and len(seq.block_ids) == 3 and seq.status is SequenceStatus.RECEIVING
+    assert not sched.has_work  # nothing to schedule while its K/V is on its way
+    sched.end_transfer(seq, ok=True)
+    waiting = make_seq(4, first_token=50)
+    sched.add(waiting)
+    assert segments(step(sched)) == {seq.seq_id: 1}  # its first token, in the one slot
+    assert seq.num_computed_tokens == 11 and waiting.status is SequenceStatus.WAITING
+
+
+def test_a_receiving_sequence_that_ends_frees_its_blocks_only_once_the_transfer_has():
+    sched = make_scheduler()
+    seq = make_seq(10)
+    seq.output_token_ids.append(99)
+    sched.reserve_prefilled(seq)
+    used = sched.block_manager.num_used_blocks
+    sched.abort(seq)
+    assert sched.block_manager.num_used_blocks == used  # the transfer may still write them
+    sched.end_transfer(seq, ok=True)
+    assert sched.block_manager.num_used_blocks == 0 and not sched.has_work
+    sched.check_invariants()
+
+
+def test_a_failed_transfer_leaves_the_sequence_to_be_computed_here():
+    sched = make_scheduler()
+    seq = make_seq(10)
+    seq.output_token_ids.append(99)
+    sched.reserve_prefilled(seq)
+    sched.end_transfer(seq, ok=False)
+    assert seq.status is SequenceStatus.WAITING and not seq.block_ids
+    assert segments(step(sched))[seq.seq_id] == 11  # the prompt and its first token
+
+
+def test_a_prompt_the_pool_cannot_hold_reserves_nothing():
+    sched = make_scheduler(num_blocks=2)
+    seq = make_seq(10)
+    seq.output_token_ids.append(99)
+    assert sched.reserve_prefilled(seq) is None
+    assert seq.status is SequenceStatus.WAITING and sched.block_manager.num_used_blocks == 0

@@ -4,11 +4,14 @@ until the decode server has read them (or a deadline passes)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
+
+# decode role: copies a prefill server's blocks (the first list) into ours (the second)
+FetchBlocks = Callable[[list[int], list[int]], Awaitable[None]]
 
 
 @dataclass(frozen=True)

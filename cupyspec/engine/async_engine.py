@@ -14,9 +14,10 @@ from jinja2 import TemplateError
 
 from cupyspec.backend import Backend, limit_cpu_threads, select_backend
 from cupyspec.config import EngineConfig
-from cupyspec.disagg.handoff import HeldPrompts, PrefilledPrompt, first_token_only
+from cupyspec.disagg.handoff import HeldPrompts
 from cupyspec.engine.admission import check_request
 from cupyspec.engine.build_runner import build_runner
+from cupyspec.engine.handoff_roles import HandoffRoles
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
 from cupyspec.engine.step_loop import StepLoop
 from cupyspec.engine.warm_up import run_warm_up
@@ -53,7 +54,7 @@ class EngineStats:
     num_used_kv_blocks: int  # blocks held by requests (cached-but-free prefix blocks not counted)
 
 
-class AsyncEngine:
+class AsyncEngine(HandoffRoles):
     """Embed in any asyncio program:
 
         engine = await AsyncEngine.create(EngineConfig())
@@ -88,6 +89,7 @@ class AsyncEngine:
                                   backend.is_cuda)
         self._rng = np.random.default_rng(config.seed)
         self.held_prompts = HeldPrompts(self.block_manager.release, config.prefill_hold_seconds)
+        self.handoff_tasks: set[asyncio.Task] = set()  # decode role: prompts' K/V being fetched
         self._loop_task: asyncio.Task | None = None
         log.info("engine ready: %s on %s%s, %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                  backend.device, f" x{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
@@ -151,28 +153,6 @@ class AsyncEngine:
         async for output in self._outputs(request):
             yield output
 
-    async def prefill(self, prompt: list[int], params: SamplingParams, sampling_key: int) -> PrefilledPrompt:
-        """Prefill role: run `prompt` and sample its first token as `generate` would with the choice's
-        `sampling_key` (drawn by the decode server), keeping the prompt's K/V blocks for the decode
-        server to read until `release_prefilled` (or the hold's deadline). InvalidRequestError as
-        `generate`; EngineClosedError if the engine stops first."""
-        request = self._add_request(prompt, first_token_only(params), uuid.uuid4().hex, None, (sampling_key,))
-        seq = request.seqs[0]
-        seq.keep_prompt_kv = True
-        token_id, logprob, prompt_logprobs = None, None, None
-        async for output in self._outputs(request):
-            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
-            for delta in output.deltas:
-                token_id = delta.token_ids[0] if delta.token_ids else token_id
-                logprob = delta.logprobs[0] if delta.logprobs else logprob
-        if token_id is None or not seq.kept_blocks:
-            raise EngineClosedError("the prefill did not finish")
-        return PrefilledPrompt(request.request_id, token_id, logprob, prompt_logprobs, seq.kept_blocks)
-
-    def release_prefilled(self, handoff_id: str) -> bool:
-        """Let a prefilled prompt's K/V blocks go; False when they are not held any more."""
-        return self.held_prompts.release(handoff_id)
-
     async def _outputs(self, request: RequestState) -> AsyncIterator[RequestOutput]:
         """A request's outputs, as they come; it is aborted if the caller stops reading first."""
         channel = request.channel
@@ -198,8 +178,9 @@ class AsyncEngine:
 
     def _add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      speculation: RequestSpeculation | None,
-                     sampling_keys: tuple[int, ...] | None = None) -> RequestState:
-        """sampling_keys: each choice's key (default: from the seed or the engine's generator)."""
+                     sampling_keys: tuple[int, ...] | None = None, queued: bool = True) -> RequestState:
+        """sampling_keys: each choice's key (default: from the seed or the engine's generator);
+        queued: its sequences wait in the scheduler (else the caller places them)."""
         if self.step_loop.closed:
             raise EngineClosedError("the engine is shutting down")
         if request_id in self.outputs.requests:
@@ -225,7 +206,7 @@ class AsyncEngine:
             arrival_time=now, speculative=self.config.speculative.enabled,
             prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
         )
-        self.outputs.add(request)
+        self.outputs.add(request, queued)
         self.step_loop.wake.set()
         return request
 

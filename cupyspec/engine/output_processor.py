@@ -99,9 +99,10 @@ class OutputProcessor:
         self.num_penalized = 0  # live requests with penalties, which read their output tokens on the host
         self.num_verified_on_host = 0  # live requests whose verification reads their drafts on the host
 
-    def add(self, request: RequestState) -> None:
+    def add(self, request: RequestState, queued: bool = True) -> None:
+        """Track a request; queued: its sequences wait in the scheduler (else the caller places them)."""
         self.requests[request.request_id] = request
-        for seq in request.seqs:
+        for seq in request.seqs if queued else ():
             self.scheduler.add(seq)
         self.num_penalized += request.seqs[0].params.has_penalties
         self.num_verified_on_host += _verified_on_host(request.seqs[0].params)

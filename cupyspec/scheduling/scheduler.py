@@ -66,6 +66,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
+        # decode role: sequences whose prompt's K/V is on its way (`receiving`), then here (`arrived`,
+        # each running once a slot is free, ahead of the waiting ones)
+        self.receiving: list[Sequence] = []
+        self.arrived: deque[Sequence] = deque()
         self.num_preemptions = 0
 
     @property
@@ -75,7 +79,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.arrived)
 
     @property
     def num_running(self) -> int:
@@ -100,8 +104,13 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        else:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq in self.receiving:  # its blocks are being written: `end_transfer` frees them
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            return
+        else:
+            self.arrived.remove(seq)
         if seq.keep_prompt_kv and reason != "abort" and seq.num_computed_tokens >= seq.num_prompt_tokens:
             bm = self.block_manager
             seq.kept_blocks = bm.hold(seq.block_ids[:bm.blocks_for(seq.num_prompt_tokens)])
@@ -111,6 +120,35 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         self.finish(seq, "abort")
+
+    def reserve_prefilled(self, seq: Sequence) -> int | None:
+        """Decode role: blocks for the prompt of a new sequence whose K/V a prefill server computed (its
+        first token in its output): the cached prefix's, and fresh ones for the rest, which the
+        transfer fills from the returned index of `seq.block_ids` on; None when the pool is short."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_ids:
+            raise ValueError("only a new sequence without KV can receive its prompt's")
+        self.block_manager.allocate_for_prefill(seq)
+        if not self.block_manager.ensure_slots(seq, seq.num_prompt_tokens - seq.num_computed_tokens):
+            self.block_manager.cancel_prefill(seq)
+            return None
+        seq.status = SequenceStatus.RECEIVING
+        self.receiving.append(seq)
+        return seq.num_computed_tokens // self.block_manager.block_size
+
+    def end_transfer(self, seq: Sequence, ok: bool) -> None:
+        """The transfer into the blocks of `seq` has ended: on success it runs from its first token on
+        (once a slot is free); else, or if it finished meanwhile, its blocks are freed, and a failed
+        one waits to be computed here from its first token (`add`)."""
+        self.receiving.remove(seq)
+        if ok and not seq.is_finished:
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.commit(seq)
+            self.arrived.append(seq)
+            return
+        self.block_manager.free(seq)
+        if not seq.is_finished:
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
 
     def num_lookahead_tokens(self, seq: Sequence) -> int:
         """KV slots to reserve past the last token of a sequence that samples: its drafts."""
@@ -123,6 +161,10 @@ class Scheduler:
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
 
+        while self.arrived and len(self.running) < self.config.max_num_seqs:
+            seq = self.arrived.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -222,7 +264,7 @@ class Scheduler:
             raise AssertionError("a non-running sequence is in the running list")
         if any(s.status is not SequenceStatus.WAITING or s.block_ids for s in self.waiting):
             raise AssertionError("a waiting sequence is not waiting or holds KV blocks")
-        self.block_manager.check_invariants(self.running)
+        self.block_manager.check_invariants([*self.running, *self.receiving, *self.arrived])
 
     def _try_schedule(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve KV for the next segment of `seq` within `budget` tokens; None if blocks are short."""

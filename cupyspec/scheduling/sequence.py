@@ -16,6 +16,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not started, or preempted (its KV freed; recomputed when resumed)
     RUNNING = "running"
+    RECEIVING = "receiving"  # its prompt's K/V comes from a prefill server (Scheduler.reserve_prefilled)
     FINISHED = "finished"
 
 

@@ -1,0 +1,97 @@
+"""AsyncEngine's roles in prefill/decode disaggregation (cupyspec/disagg/): the prefill role runs a
+prompt for a decode server and holds its K/V until read; the decode role continues a request from
+its first token once the prompt's K/V has arrived in its pool."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from cupyspec.disagg.handoff import FetchBlocks, PrefilledPrompt, first_token_only
+from cupyspec.engine.step_outputs import SeqStepOutput
+from cupyspec.errors import EngineClosedError
+from cupyspec.outputs import RequestOutput
+from cupyspec.sampling.params import SamplingParams
+from cupyspec.scheduling.scheduler import ScheduledSeq, SchedulerOutput
+from cupyspec.scheduling.sequence import Sequence
+from cupyspec.spec_decode.speculative_config import RequestSpeculation
+
+log = logging.getLogger("cupyspec")
+
+
+class HandoffRoles:
+    """Mixed into AsyncEngine, whose request intake (`_add_request`, `_outputs`), scheduler, output
+    processor, step loop and held prompts these methods use."""
+
+    async def prefill(self, prompt: list[int], params: SamplingParams, sampling_key: int) -> PrefilledPrompt:
+        """Prefill role: run `prompt` and sample its first token as `generate` would with the choice's
+        `sampling_key` (drawn by the decode server), keeping the prompt's K/V blocks for the decode
+        server to read until `release_prefilled` (or the hold's deadline). InvalidRequestError as
+        `generate`; EngineClosedError if the engine stops first."""
+        request = self._add_request(prompt, first_token_only(params), uuid.uuid4().hex, None, (sampling_key,))
+        seq = request.seqs[0]
+        seq.keep_prompt_kv = True
+        token_id, logprob, prompt_logprobs = None, None, None
+        async for output in self._outputs(request):
+            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+            for delta in output.deltas:
+                token_id = delta.token_ids[0] if delta.token_ids else token_id
+                logprob = delta.logprobs[0] if delta.logprobs else logprob
+        if token_id is None or not seq.kept_blocks:
+            raise EngineClosedError("the prefill did not finish")
+        return PrefilledPrompt(request.request_id, token_id, logprob, prompt_logprobs, seq.kept_blocks)
+
+    async def generate_prefilled(self, prompt: list[int], params: SamplingParams, sampling_key: int,
+                                 prefilled: PrefilledPrompt, fetch: FetchBlocks, request_id: str | None = None,
+                                 speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
+        """Decode role: stream a one-choice request whose prompt a prefill server ran (`prefilled`, with
+        `sampling_key`) as `generate` would. Its first token is delivered at once; meanwhile
+        `await fetch(remote, local)` copies the prompt's K/V blocks this pool lacks (the prefill
+        server's `remote` into ours `local`), then it decodes here. `fetch` is awaited once for every
+        request, with no blocks where the first token ends it or the pool is short (the prefill server
+        may let its blocks go); where the pool is short or the fetch fails, the prompt is computed
+        here instead, with the same outputs."""
+        if params.n != 1 or params.render_logprobs:
+            raise ValueError("a prefilled request has one choice and its logprobs as records")
+        request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation, (sampling_key,),
+                                    queued=False)
+        seq = request.seqs[0]
+        if len(prefilled.block_ids) != self.block_manager.blocks_for(seq.num_prompt_tokens):
+            raise ValueError("the prefill server's blocks do not hold this prompt in blocks of this size")
+        first_block = self.scheduler.reserve_prefilled(seq)
+        if first_block is None:
+            self.scheduler.add(seq)  # the pool is short: computed here, from its first token on
+        prompt_logprobs = tuple((i, lp) for i, lp in enumerate(prefilled.prompt_logprobs or ()) if lp is not None)
+        first = SeqStepOutput((prefilled.token_id,), (prefilled.logprob,) if prefilled.logprob else None,
+                              prompt_logprobs=prompt_logprobs)
+        self.outputs.process_step(SchedulerOutput((ScheduledSeq(seq, seq.num_prompt_tokens, 0, seq.num_prompt_tokens),),
+                                                  ()), [first])
+        task = asyncio.create_task(self._receive(seq, fetch, prefilled.block_ids, first_block))
+        self.handoff_tasks.add(task)  # (the loop keeps only a weak reference)
+        task.add_done_callback(self.handoff_tasks.discard)
+        async for output in self._outputs(request):
+            yield output
+
+    async def _receive(self, seq: Sequence, fetch: FetchBlocks, remote: tuple[int, ...],
+                       first_block: int | None) -> None:
+        """Fetch a prefilled prompt's K/V into the blocks reserved for it from `first_block` on (none
+        where none are reserved or its first token ended it), then let it run."""
+        reserved = first_block is not None
+        fetching = reserved and not seq.is_finished
+        blocks = (list(remote[first_block:]), seq.block_ids[first_block:len(remote)]) if fetching else ([], [])
+        ok = False
+        try:
+            await fetch(*blocks)
+            ok = True
+        except Exception:  # noqa: BLE001 - the prompt is computed here instead
+            log.warning("fetching the K/V of request %s failed; computing its prompt here", seq.request_id,
+                        exc_info=True)
+        if reserved:
+            self.scheduler.end_transfer(seq, ok and fetching)
+            self.step_loop.wake.set()
+
+    def release_prefilled(self, handoff_id: str) -> bool:
+        """Let a prefilled prompt's K/V blocks go; False when they are not held any more."""
+        return self.held_prompts.release(handoff_id)
