@@ -1,5 +1,6 @@
-"""The prefill role's side of a handoff: a prompt run for a decode server, whose K/V blocks are held
-until the decode server has read them (or a deadline passes)."""
+"""A request handed from a prefill engine to a decode engine: what the prefill side returns, the
+blocks it holds until the decode side has read them (or a deadline passes), and the decode side's
+fetch of them (engine/handoff_roles.py runs both sides)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,6 @@ class HeldPrompts:
     def __init__(self, release_blocks: Callable[[Sequence[int]], None], hold_seconds: float) -> None:
         self._release_blocks, self.hold_seconds = release_blocks, hold_seconds
         self._held: dict[str, tuple[tuple[int, ...], asyncio.TimerHandle]] = {}
-
-    def __len__(self) -> int:
-        return len(self._held)
 
     def add(self, handoff_id: str, block_ids: tuple[int, ...]) -> None:
         expiry = asyncio.get_running_loop().call_later(self.hold_seconds, self.release, handoff_id)
