@@ -95,6 +95,10 @@ class EngineConfig:
     cpu_threads: int | None = None
     # ranks the model is split across: GPUs 0..N-1 (on the CPU, threads), cupyspec/parallel/
     tensor_parallel_size: int = 1
+    # prefill/decode disaggregation (cupyspec/disagg/): "both" serves alone; "prefill" runs prompts for
+    # decode servers; "decode" hands each prompt to one of `prefill_urls` and decodes it
+    role: str = "both"
+    prefill_urls: tuple[str, ...] = ()
     # prefill role: how long a prefilled prompt's K/V blocks wait for a decode server to read them
     prefill_hold_seconds: float = 60.0
 
@@ -107,6 +111,12 @@ class EngineConfig:
             raise ValueError(f"warm_up must be true, false or None, not {self.warm_up!r}")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {self.tensor_parallel_size!r}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, not {self.role!r}")
+        if (self.role == "decode") != bool(self.prefill_urls):
+            raise ValueError("prefill_urls are given to the decode role, and only to it")
+        if self.role != "both" and self.tensor_parallel_size > 1:
+            raise ValueError("the prefill and decode roles run on one GPU for now (tensor_parallel_size 1)")
         if not self.prefill_hold_seconds > 0:
             raise ValueError(f"prefill_hold_seconds must be positive, not {self.prefill_hold_seconds!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:

@@ -17,3 +17,7 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down or has stopped (HTTP 503)."""
+
+
+class PrefillUnavailableError(RuntimeError):
+    """Decode role: no prefill server ran the request's prompt (HTTP 503)."""

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from cupyspec.disagg.prefill_client import LAYOUT_ROUTE, PREFILL_ROUTE
 from cupyspec.server.chat import handle_chat
 from cupyspec.server.completions import handle_completions
 from cupyspec.server.context import CONTEXT, ServerContext, json_response
+from cupyspec.server.disagg import handle_layout, handle_prefill
 from cupyspec.server.errors import error_middleware
 from cupyspec.server.protocol import ModelCard, ModelList
 from cupyspec.text.token_text import TokenText
@@ -47,8 +49,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
 
-def create_app(engine: AsyncEngine) -> web.Application:
-    """The HTTP application. The caller owns the engine (creates it, and shuts it down)."""
+def create_app(engine: AsyncEngine, prefill_role: bool = False) -> web.Application:
+    """The HTTP application. The caller owns the engine (creates it, and shuts it down). prefill_role:
+    with the routes decode servers call (the engine's role is "prefill")."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[CONTEXT] = ServerContext(engine=engine, model_name=engine.model_name, token_text=TokenText(engine.tokenizer),
                                  created=int(time.time()))
@@ -58,6 +61,9 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if prefill_role:
+        app.router.add_get(LAYOUT_ROUTE, handle_layout)
+        app.router.add_post(PREFILL_ROUTE, handle_prefill)
     return app
 
 

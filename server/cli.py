@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "fewer where other busy processes share the cores")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model's heads, MLP and vocabulary across GPUs 0..N-1 (on the CPU, threads)")
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="prefill/decode disaggregation: prefill runs prompts for decode servers, decode hands "
+                        "each prompt to a prefill server (--prefill-url) and decodes it; both serves alone")
+    p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                   help="decode role: a prefill server, e.g. http://10.0.0.2:8001 (repeat for several)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -124,6 +129,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, served_model_name=args.served_model_name, seed=args.seed,
         cpu_threads=args.cpu_threads, tensor_parallel_size=args.tensor_parallel_size,
+        role=args.role, prefill_urls=tuple(args.prefill_url),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -145,7 +151,7 @@ async def serve(config: EngineConfig, host: str, port: int, shutdown_timeout: fl
     from cupyspec.server.app import create_app, start_server
 
     engine = await AsyncEngine.create(config)
-    app = create_app(engine)
+    app = create_app(engine, config.role == "prefill")
     settle_garbage_collector()
 
     async def stop_engine(_app: object) -> None:  # runs after the listening sockets are closed

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
+from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError, PrefillUnavailableError
 from cupyspec.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("cupyspec.server")
@@ -69,6 +69,8 @@ def to_api_error(exc: Exception) -> APIError | None:
                         headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineClosedError):
         return APIError(503, str(exc) or "the engine is shutting down", code="engine_closed")
+    if isinstance(exc, PrefillUnavailableError):
+        return APIError(503, str(exc), code="prefill_unavailable")
     return None
 
 

@@ -53,7 +53,7 @@ class LiveServer:
 
     async def _start(self) -> None:
         self.engine = await AsyncEngine.create(self.config)
-        self._runner, port = await start_server(create_app(self.engine), "127.0.0.1", 0)
+        self._runner, port = await start_server(create_app(self.engine, self.config.role == "prefill"), "127.0.0.1", 0)
         self.base_url = f"http://127.0.0.1:{port}"
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:

@@ -27,10 +27,10 @@ KEYS = [sampling_key(params.seed if params.seed is not None else 1000 + i, 0) fo
 TIMEOUT = 30
 
 
-def engine_config(model: str, method: str | None, kv_bytes: int | None = None) -> EngineConfig:
+def engine_config(model: str, method: str | None, kv_bytes: int | None = None, role: str = "both") -> EngineConfig:
     speculative = SpeculativeConfig(method=method, num_speculative_tokens=3, cost_aware_backoff=False,
                                     min_acceptance_rate=0.0) if method else SpeculativeConfig()
-    return EngineConfig(model=model, device="cpu", speculative=speculative,
+    return EngineConfig(model=model, device="cpu", speculative=speculative, role=role,
                         cache=CacheConfig(block_size=4, kv_cache_memory_bytes=kv_bytes))
 
 
@@ -53,13 +53,13 @@ async def one_engine(model: str, method: str | None) -> list[dict]:
 
 async def handed_over(model: str, method: str | None, break_fetch: bool = False,
                       decode_kv_bytes: int | None = None) -> tuple[list[dict], int, int, int]:
-    """Each request prefilled by one engine and decoded by another: the results, the blocks in use
-    on each side once they are done, and the fetches that copied blocks."""
-    prefill = await AsyncEngine.create(engine_config(model, None))
+    """Each request prefilled by a prefill-role engine (which releases what is read as the
+    notifications come) and decoded by another: the results, the blocks in use on each side once
+    they are done, and the fetches that copied blocks."""
+    prefill = await AsyncEngine.create(engine_config(model, None, role="prefill"))
     decode = await AsyncEngine.create(engine_config(model, method, decode_kv_bytes))
-    prefill_agent = KVTransferAgent("prefill", prefill.runner.kv)
     decode_agent = KVTransferAgent("decode", decode.runner.kv)
-    peer = decode_agent.connect(prefill_agent.layout())
+    peer = decode_agent.connect(prefill.kv_agent.layout())
     fetches = 0  # that copied blocks
 
     async def request(prompt, params, key):
@@ -73,18 +73,18 @@ async def handed_over(model: str, method: str | None, break_fetch: bool = False,
                 fetches += 1
                 transfer = decode_agent.read(peer, remote, local, handed.handoff_id.encode())
                 await asyncio.to_thread(transfer.wait, TIMEOUT)
-            prefill.release_prefilled(handed.handoff_id)
+            else:
+                decode_agent.notify(peer, handed.handoff_id.encode())
 
         return await collect(decode.generate_prefilled(prompt, params, key, handed, fetch))
 
     try:
         results = await asyncio.gather(*(request(p, r, k) for p, r, k in zip(PROMPTS, REQUESTS, KEYS)))
-        while decode.handoff_tasks:
+        while decode.handoff_tasks or (prefill.held_prompts._held and not break_fetch):
             await asyncio.sleep(0.01)
         in_use = prefill.stats().num_used_kv_blocks, decode.stats().num_used_kv_blocks
     finally:
         decode_agent.close()
-        prefill_agent.close()
         await decode.shutdown()
         await prefill.shutdown()
     return results, *in_use, fetches

@@ -165,3 +165,27 @@ def test_the_first_token_comes_before_the_kv_and_a_request_left_meanwhile_frees_
     assert tuple(first.deltas[0].token_ids) == (handed.token_id,)
     assert asked == [(list(handed.block_ids), asked[0][1])] and len(asked[0][1]) == 5
     assert during == 5 and after == 0
+
+
+def test_a_prefilled_request_the_decode_side_refuses_lets_the_prefill_side_go(tiny_mtp):
+    """A decode engine that cannot take the request (here: too many choices) still tells the prefill
+    side, through an empty fetch, that it may release the blocks."""
+    model, _ = tiny_mtp
+
+    async def main():
+        prefill, decode = await make_engine(model), await make_engine(model)
+        handed = await prefill.prefill(PROMPT, SamplingParams(temperature=0.0), 1)
+
+        async def fetch(remote, local):
+            assert not remote and not local
+            prefill.release_prefilled(handed.handoff_id)
+
+        with pytest.raises(ValueError, match="one choice"):
+            async for _ in decode.generate_prefilled(PROMPT, SamplingParams(n=2), 1, handed, fetch):
+                pass
+        used = prefill.stats().num_used_kv_blocks
+        await decode.shutdown()
+        await prefill.shutdown()
+        return used
+
+    assert asyncio.run(main()) == 0

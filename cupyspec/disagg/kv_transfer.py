@@ -7,7 +7,9 @@ which is one contiguous region, and publishes a `PoolLayout`: its NIXL metadata 
 addresses. The reader pulls, as vLLM's NixlConnector does: the decode side connects to the prefill
 side's layout and READs the blocks it lacks into blocks of its own pool; the transfer's notification
 tells the prefill side that it may release them. Layouts travel in the servers' own control
-messages (HTTP), so no agent listens for metadata.
+messages (HTTP), so no agent listens for metadata. Agents run no progress thread: both sides make
+progress in their own calls, the reader waiting for its transfer and the prefill side polling its
+notifications every few milliseconds (engine/handoff_roles.py), which also serves reads of its pool.
 
 NIXL's Python package declares PyTorch as a dependency for a module this one does not use; install
 it without: `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (nixl-cu13 for CUDA 13).
@@ -62,7 +64,12 @@ class KVTransferAgent:
     def __init__(self, name: str, kv: KVCacheArrays) -> None:
         api = _nixl()
         self.name = name
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        # No progress thread (NIXL's polls without pause, a core's worth): transfers and notifications
+        # progress in our own calls, which may come from several threads, hence the agent's lock.
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._agent = api.nixl_agent(name, config)
+        self._kv = kv  # the registered memory stays allocated while the agent lives
         arrays = [*kv.k, *kv.v]  # each layer's [blocks + 1, block_size, Hkv, D]
         first = arrays[0]
         self._memory = "DRAM" if isinstance(first, np.ndarray) else "VRAM"
@@ -110,6 +117,13 @@ class KVTransferAgent:
         handle = self._agent.make_prepped_xfer("READ", self._local, local_index.tolist(), remote,
                                                remote_index.tolist(), notification)
         return Transfer(self._agent, handle)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a connected peer a notification without a transfer (KVTransferError if it is gone)."""
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:  # nixlRemoteDisconnectError and kin
+            raise KVTransferError(f"notifying {peer!r} failed: {exc}") from exc
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """The notifications that arrived since the last call: (sender's agent name, message)."""

@@ -15,6 +15,8 @@ from jinja2 import TemplateError
 from cupyspec.backend import Backend, limit_cpu_threads, select_backend
 from cupyspec.config import EngineConfig
 from cupyspec.disagg.handoff import HeldPrompts
+from cupyspec.disagg.kv_transfer import KVTransferAgent
+from cupyspec.disagg.prefill_client import PrefillServers
 from cupyspec.engine.admission import check_request
 from cupyspec.engine.build_runner import build_runner
 from cupyspec.engine.handoff_roles import HandoffRoles
@@ -40,6 +42,8 @@ from cupyspec.text.detokenizer import IncrementalDetokenizer
 from cupyspec.text.tokenizer import Tokenizer
 
 log = logging.getLogger("cupyspec")
+
+PREFILL_TIMEOUT_SECONDS = 60.0  # decode role: the most a prefill server's answer or a K/V fetch may take
 
 
 
@@ -90,6 +94,11 @@ class AsyncEngine(HandoffRoles):
         self._rng = np.random.default_rng(config.seed)
         self.held_prompts = HeldPrompts(self.block_manager.release, config.prefill_hold_seconds)
         self.handoff_tasks: set[asyncio.Task] = set()  # decode role: prompts' K/V being fetched
+        self.kv_agent = (KVTransferAgent(f"cupyspec-{config.role}-{uuid.uuid4().hex[:12]}", self.runner.kv)
+                         if config.role != "both" else None)
+        self.prefill_servers = (PrefillServers(config.prefill_urls, self.kv_agent, PREFILL_TIMEOUT_SECONDS)
+                                if config.role == "decode" else None)
+        self._release_task: asyncio.Task | None = None  # prefill role: releases the prompts decode servers read
         self._loop_task: asyncio.Task | None = None
         log.info("engine ready: %s on %s%s, %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                  backend.device, f" x{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
@@ -104,6 +113,8 @@ class AsyncEngine(HandoffRoles):
         loaded = await asyncio.to_thread(load_model, config.model)
         engine = await asyncio.to_thread(cls, config, loaded, backend)
         engine._loop_task = asyncio.create_task(engine.step_loop.run(), name="cupyspec-engine")
+        if config.role == "prefill":
+            engine._release_task = asyncio.create_task(engine.release_read_prompts(), name="cupyspec-release")
         if config.warm_up if config.warm_up is not None else backend.is_cuda:
             started = time.perf_counter()
             await engine.warm_up()
@@ -149,8 +160,11 @@ class AsyncEngine(HandoffRoles):
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Bad input raises before the first yield."""
-        request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation)
-        async for output in self._outputs(request):
+        if self.prefill_servers is not None and params.n == 1 and not params.render_logprobs:
+            outputs = self.hand_off(self._prompt_ids(prompt, params), params, request_id, speculation)
+        else:
+            outputs = self._outputs(self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation))
+        async for output in outputs:
             yield output
 
     async def _outputs(self, request: RequestState) -> AsyncIterator[RequestOutput]:
@@ -185,9 +199,7 @@ class AsyncEngine(HandoffRoles):
             raise EngineClosedError("the engine is shutting down")
         if request_id in self.outputs.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_request(token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                      self.block_manager.num_blocks * self.block_manager.block_size)
+        token_ids = self._prompt_ids(prompt, params)
         if self.scheduler.num_waiting + params.n > self.config.scheduler.max_waiting_requests:
             raise EngineOverloadedError("the server is overloaded: too many waiting requests; retry later")
         max_output = params.max_tokens or self.max_model_len - len(token_ids)
@@ -209,6 +221,13 @@ class AsyncEngine(HandoffRoles):
         self.outputs.add(request, queued)
         self.step_loop.wake.set()
         return request
+
+    def _prompt_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked with the request (InvalidRequestError)."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_request(token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      self.block_manager.num_blocks * self.block_manager.block_size)
+        return token_ids
 
     def _sampling_key(self, params: SamplingParams, choice_index: int) -> int:
         seed = int(self._rng.integers(1 << 62)) if params.seed is None else params.seed
@@ -254,6 +273,12 @@ class AsyncEngine(HandoffRoles):
             await asyncio.wait_for(self._loop_task, timeout=max(5.0, timeout))
         except asyncio.TimeoutError:
             self._loop_task.cancel()
+        if self._release_task is not None:
+            self._release_task.cancel()
+        if self.prefill_servers is not None:
+            await self.prefill_servers.close()
         self.held_prompts.release_all()
+        if self.kv_agent is not None:
+            self.kv_agent.close()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()

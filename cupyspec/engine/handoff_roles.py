@@ -5,6 +5,7 @@ its first token once the prompt's K/V has arrived in its pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -20,10 +21,12 @@ from cupyspec.spec_decode.speculative_config import RequestSpeculation
 
 log = logging.getLogger("cupyspec")
 
+NOTIFICATION_POLL_SECONDS = 0.002  # prefill role: how often the decode servers' notifications are read
+
 
 class HandoffRoles:
-    """Mixed into AsyncEngine, whose request intake (`_add_request`, `_outputs`), scheduler, output
-    processor, step loop and held prompts these methods use."""
+    """Mixed into AsyncEngine, whose request intake (`_add_request`, `_outputs`, `_sampling_key`),
+    scheduler, output processor, step loop, held prompts, KV agent and prefill servers these methods use."""
 
     async def prefill(self, prompt: list[int], params: SamplingParams, sampling_key: int) -> PrefilledPrompt:
         """Prefill role: run `prompt` and sample its first token as `generate` would with the choice's
@@ -53,13 +56,18 @@ class HandoffRoles:
         request, with no blocks where the first token ends it or the pool is short (the prefill server
         may let its blocks go); where the pool is short or the fetch fails, the prompt is computed
         here instead, with the same outputs."""
-        if params.n != 1 or params.render_logprobs:
-            raise ValueError("a prefilled request has one choice and its logprobs as records")
-        request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation, (sampling_key,),
-                                    queued=False)
+        try:
+            if params.n != 1 or params.render_logprobs:
+                raise ValueError("a prefilled request has one choice and its logprobs as records")
+            if len(prefilled.block_ids) != self.block_manager.blocks_for(len(prompt)):
+                raise ValueError("the prefill server's blocks do not hold this prompt in blocks of this size")
+            request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation,
+                                        (sampling_key,), queued=False)
+        except Exception:
+            with contextlib.suppress(Exception):  # the prefill server may let its blocks go
+                await fetch([], [])
+            raise
         seq = request.seqs[0]
-        if len(prefilled.block_ids) != self.block_manager.blocks_for(seq.num_prompt_tokens):
-            raise ValueError("the prefill server's blocks do not hold this prompt in blocks of this size")
         first_block = self.scheduler.reserve_prefilled(seq)
         if first_block is None:
             self.scheduler.add(seq)  # the pool is short: computed here, from its first token on
@@ -91,6 +99,22 @@ class HandoffRoles:
         if reserved:
             self.scheduler.end_transfer(seq, ok and fetching)
             self.step_loop.wake.set()
+
+    async def hand_off(self, token_ids: list[int], params: SamplingParams, request_id: str | None,
+                       speculation: RequestSpeculation | None) -> AsyncIterator[RequestOutput]:
+        """Decode role: `generate` a checked one-choice request through a prefill server (`prefill_servers`)."""
+        key = self._sampling_key(params, 0)
+        prefilled, fetch = await self.prefill_servers.prefill(token_ids, params, key)
+        async for output in self.generate_prefilled(token_ids, params, key, prefilled, fetch, request_id, speculation):
+            yield output
+
+    async def release_read_prompts(self) -> None:
+        """Prefill role: release each prompt a decode server has read (or let go), as the notifications
+        naming its handoff arrive; runs until cancelled."""
+        while True:
+            for _, message in self.kv_agent.notifications():
+                self.release_prefilled(message.decode())
+            await asyncio.sleep(NOTIFICATION_POLL_SECONDS)
 
     def release_prefilled(self, handoff_id: str) -> bool:
         """Let a prefilled prompt's K/V blocks go; False when they are not held any more."""
