@@ -99,6 +99,9 @@ class EngineConfig:
     # decode servers; "decode" hands each prompt to one of `prefill_urls` and decodes it
     role: str = "both"
     prefill_urls: tuple[str, ...] = ()
+    # decode role: the most a prefill server's answer, or the fetch of a prompt's K/V, may take before
+    # the next server is tried or the prompt is computed here
+    prefill_timeout_seconds: float = 30.0
     # prefill role: how long a prefilled prompt's K/V blocks wait for a decode server to read them
     prefill_hold_seconds: float = 60.0
 
@@ -117,6 +120,8 @@ class EngineConfig:
             raise ValueError("prefill_urls are given to the decode role, and only to it")
         if self.role != "both" and self.tensor_parallel_size > 1:
             raise ValueError("the prefill and decode roles run on one GPU for now (tensor_parallel_size 1)")
+        if not self.prefill_timeout_seconds > 0:
+            raise ValueError(f"prefill_timeout_seconds must be positive, not {self.prefill_timeout_seconds!r}")
         if not self.prefill_hold_seconds > 0:
             raise ValueError(f"prefill_hold_seconds must be positive, not {self.prefill_hold_seconds!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:

@@ -81,3 +81,39 @@ def test_a_prefill_server_that_is_down_is_skipped_and_none_at_all_is_a_503(confi
         stats = decode.wait_idle()
     assert status == 503 and json.loads(text)["error"]["code"] == "prefill_unavailable"
     assert stats.num_used_kv_blocks == 0
+
+
+def test_requests_survive_a_prefill_server_stopped_mid_run(config):
+    """200 requests, 16 at a time, over two prefill servers, one of which stops after the first 50:
+    every request completes (the decode server skips the stopped one, or computes a prompt itself
+    whose K/V it could no longer read) or fails with an OpenAI error body; no block stays in use."""
+    import concurrent.futures
+    import threading
+
+    body = {"prompt": "Count: 1 2 3", "max_tokens": 8, "temperature": 0}
+    config = dataclasses.replace(config, prefill_timeout_seconds=5.0)  # a read of the stopped pool gives up
+    with LiveServer(dataclasses.replace(config, role="prefill")) as keeps:
+        doomed = LiveServer(dataclasses.replace(config, role="prefill")).start()
+        urls = (doomed.base_url, keeps.base_url)
+        with LiveServer(dataclasses.replace(config, role="decode", prefill_urls=urls)) as decode:
+            done, stopped = [], threading.Event()
+
+            def one(_: int) -> tuple[int, str]:
+                result = post(decode.base_url, body)
+                done.append(result)
+                if len(done) >= 50 and not stopped.is_set():
+                    stopped.set()
+                    doomed.stop()
+                return result
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                results = list(pool.map(one, range(200)))
+            decode_stats = decode.wait_idle()
+        keeps_stats = keeps.wait_idle()
+    assert stopped.is_set()
+    texts = {json.loads(text)["choices"][0]["text"] for status, text in results if status == 200}
+    assert len(texts) == 1  # one greedy answer, wherever its prompt ran
+    failed = [json.loads(text)["error"] for status, text in results if status != 200]
+    assert all(status in (200, 503) for status, _ in results) and all(e["message"] for e in failed)
+    assert len(failed) < 20
+    assert decode_stats.num_used_kv_blocks == keeps_stats.num_used_kv_blocks == 0

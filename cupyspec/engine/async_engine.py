@@ -43,8 +43,6 @@ from cupyspec.text.tokenizer import Tokenizer
 
 log = logging.getLogger("cupyspec")
 
-PREFILL_TIMEOUT_SECONDS = 60.0  # decode role: the most a prefill server's answer or a K/V fetch may take
-
 
 
 @dataclass(frozen=True)
@@ -96,7 +94,7 @@ class AsyncEngine(HandoffRoles):
         self.handoff_tasks: set[asyncio.Task] = set()  # decode role: prompts' K/V being fetched
         self.kv_agent = (KVTransferAgent(f"cupyspec-{config.role}-{uuid.uuid4().hex[:12]}", self.runner.kv)
                          if config.role != "both" else None)
-        self.prefill_servers = (PrefillServers(config.prefill_urls, self.kv_agent, PREFILL_TIMEOUT_SECONDS)
+        self.prefill_servers = (PrefillServers(config.prefill_urls, self.kv_agent, config.prefill_timeout_seconds)
                                 if config.role == "decode" else None)
         self._release_task: asyncio.Task | None = None  # prefill role: releases the prompts decode servers read
         self._loop_task: asyncio.Task | None = None
