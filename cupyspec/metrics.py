@@ -77,6 +77,15 @@ class EngineMetrics:
         self.spec_accepted_per_position = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total",
                                                   "Draft tokens accepted, by draft position.",
                                                   (*self.label_names, "position"), registry=self.registry)
+        # prefill/decode disaggregation: the decode role's fetches, the prefill role's held prompts
+        self.kv_fetched_blocks = self._counter("kv_transfer_blocks_total", "KV blocks fetched from prefill servers.")
+        self.kv_fetched_bytes = self._counter("kv_transfer_bytes_total", "Bytes of K/V fetched from prefill servers.")
+        self.kv_fetch_failures = self._counter("kv_transfer_failures_total",
+                                               "Fetches of a prompt's K/V that failed (the prompt was computed here).")
+        self.kv_fetch_time = self._histogram("kv_transfer_seconds", "Time to fetch a prompt's K/V, in seconds.",
+                                             TTFT_BUCKETS)
+        self.held_prompts = self._gauge("prefill_held_prompts",
+                                        "Prompts whose K/V waits for a decode server to read it.")
 
     def _bind(self, metric: Metric) -> Metric:
         """The child of `metric` for this engine's label values; the metric itself when there are none."""
@@ -121,6 +130,15 @@ class EngineMetrics:
         self.spec_emitted.inc(spec.num_emitted_tokens)
         for position, count in enumerate(spec.accepted_per_position):
             self.spec_accepted_per_position.labels(*self.label_values, str(position)).inc(count)
+
+    def on_kv_fetched(self, blocks: int, nbytes: int, seconds: float, ok: bool) -> None:
+        """A decode-role fetch of a prompt's K/V: `blocks` blocks of `nbytes` bytes in all."""
+        if not ok:
+            self.kv_fetch_failures.inc()
+            return
+        self.kv_fetched_blocks.inc(blocks)
+        self.kv_fetched_bytes.inc(nbytes)
+        self.kv_fetch_time.observe(seconds)
 
     def render(self, stats: StatsLike) -> str:
         """All metrics in the Prometheus text format, the load gauges set from `stats`."""

@@ -63,10 +63,13 @@ def test_a_decode_server_with_a_prefill_server_answers_as_one_server(config, sin
         with LiveServer(dataclasses.replace(config, role="decode", prefill_urls=(prefill.base_url,))) as decode:
             got = answers(decode.base_url)
             decode_stats = decode.wait_idle()
+            fetched = decode.engine.metrics.kv_fetched_blocks.value(), decode.engine.metrics.kv_fetched_bytes.value()
         prefill_stats = prefill.wait_idle()
         prompts_run = prefill.engine.block_manager.num_prefix_query_tokens
     assert got == single_answers
     assert prompts_run > 0  # the prompts ran on the prefill server
+    blocks, nbytes = fetched  # each prompt fits one block of 16 tokens: [K and V, 2 layers, 16, 2 heads, 16] fp32
+    assert blocks == len(BODIES) and nbytes == blocks * 2 * 2 * 16 * 2 * 16 * 4
     assert decode_stats.num_used_kv_blocks == prefill_stats.num_used_kv_blocks == 0
 
 

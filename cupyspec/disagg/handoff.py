@@ -41,6 +41,9 @@ class HeldPrompts:
         self._release_blocks, self.hold_seconds = release_blocks, hold_seconds
         self._held: dict[str, tuple[tuple[int, ...], asyncio.TimerHandle]] = {}
 
+    def __len__(self) -> int:
+        return len(self._held)
+
     def add(self, handoff_id: str, block_ids: tuple[int, ...]) -> None:
         expiry = asyncio.get_running_loop().call_later(self.hold_seconds, self.release, handoff_id)
         self._held[handoff_id] = (block_ids, expiry)

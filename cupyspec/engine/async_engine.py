@@ -255,6 +255,7 @@ class AsyncEngine(HandoffRoles):
                            bm.num_free_blocks, bm.num_used_blocks)
 
     def metrics_text(self) -> str:
+        self.metrics.held_prompts.set(len(self.held_prompts))
         return self.metrics.render(self.stats())
 
     async def shutdown(self, timeout: float = 30.0) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -89,13 +90,17 @@ class HandoffRoles:
         reserved = first_block is not None
         fetching = reserved and not seq.is_finished
         blocks = (list(remote[first_block:]), seq.block_ids[first_block:len(remote)]) if fetching else ([], [])
-        ok = False
+        ok, started = False, time.perf_counter()
         try:
             await fetch(*blocks)
             ok = True
         except Exception:  # noqa: BLE001 - the prompt is computed here instead
             log.warning("fetching the K/V of request %s failed; computing its prompt here", seq.request_id,
                         exc_info=True)
+        if fetching:
+            kv = self.runner.kv
+            per_block = (kv.k.nbytes + kv.v.nbytes) // (kv.num_blocks + 1)
+            self.metrics.on_kv_fetched(len(blocks[0]), len(blocks[0]) * per_block, time.perf_counter() - started, ok)
         if reserved:
             self.scheduler.end_transfer(seq, ok and fetching)
             self.step_loop.wake.set()
