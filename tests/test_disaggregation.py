@@ -80,7 +80,7 @@ async def handed_over(model: str, method: str | None, break_fetch: bool = False,
 
     try:
         results = await asyncio.gather(*(request(p, r, k) for p, r, k in zip(PROMPTS, REQUESTS, KEYS)))
-        while decode.handoff_tasks or (prefill.held_prompts._held and not break_fetch):
+        while decode.handoff_tasks or (len(prefill.held_prompts) and not break_fetch):
             await asyncio.sleep(0.01)
         in_use = prefill.stats().num_used_kv_blocks, decode.stats().num_used_kv_blocks
     finally:
