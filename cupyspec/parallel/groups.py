@@ -10,6 +10,7 @@ all-gather of the logits.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -127,7 +128,9 @@ class NcclGroup:
         self._comm.abort()
 
 
+@functools.cache
 def _nccl_type(dtype: Any) -> int:
+    """NCCL's code of a NumPy dtype (looked up once per dtype: every collective asks)."""
     from cupy.cuda import nccl
 
     types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
