@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each prompt to a prefill server (--prefill-url) and decodes it; both serves alone")
     p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
                    help="decode role: a prefill server, e.g. http://10.0.0.2:8001 (repeat for several)")
+    p.add_argument("--prefill-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="decode role: the most a prefill server's answer, or the read of a prompt's K/V, may "
+                        "take before the next server is tried or the prompt is computed here")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -129,7 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, served_model_name=args.served_model_name, seed=args.seed,
         cpu_threads=args.cpu_threads, tensor_parallel_size=args.tensor_parallel_size,
-        role=args.role, prefill_urls=tuple(args.prefill_url),
+        role=args.role, prefill_urls=tuple(args.prefill_url), prefill_timeout_seconds=args.prefill_timeout,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),

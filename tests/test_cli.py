@@ -47,8 +47,8 @@ def test_engine_config_from_arguments() -> None:
     assert (config.model, config.served_model_name, config.device, config.seed) == ("m.gguf", "m", "cpu", 3)
     assert config.tensor_parallel_size == 2
     decode = engine_config(build_parser().parse_args(["--role", "decode", "--prefill-url", "http://a:1",
-                                                      "--prefill-url", "http://b:2"]))
-    assert (decode.role, decode.prefill_urls) == ("decode", ("http://a:1", "http://b:2"))
+                                                      "--prefill-url", "http://b:2", "--prefill-timeout", "5"]))
+    assert (decode.role, decode.prefill_urls, decode.prefill_timeout_seconds) == ("decode", ("http://a:1", "http://b:2"), 5)
     assert (config.cache.block_size, config.cache.kv_cache_memory_bytes, config.cache.enable_prefix_caching) == (
         32, 64 * 2**20, False)
     s = config.scheduler
@@ -68,6 +68,7 @@ def test_engine_config_from_arguments() -> None:
     (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an integer >= 1"),
     (["--role", "decode"], "prefill_urls are given to the decode role"),
     (["--prefill-url", "http://127.0.0.1:8001"], "prefill_urls are given to the decode role"),
+    (["--role", "decode", "--prefill-url", "http://a:1", "--prefill-timeout", "0"], "prefill_timeout_seconds must be"),
 ])
 def test_bad_configuration_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

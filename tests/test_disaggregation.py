@@ -1,6 +1,7 @@
 """A request handed from a prefill engine to a decode engine, in one process on the CPU, its prompt's
-K/V moved between their pools through NIXL: outputs, logprobs and prompt logprobs equal one
-engine's, with and without speculation; a failed fetch or a short pool computes the prompt on the
+K/V moved between their pools through NIXL: outputs, logprobs, prompt logprobs and speculate_metrics
+equal one engine's, with and without speculation (with MTP, the prefill engine's head drafts for the
+decode engine's first step); a failed fetch or a short pool computes the prompt on the
 decode side instead, with the same outputs; no KV block stays in use on either side."""
 
 from __future__ import annotations
@@ -27,37 +28,41 @@ KEYS = [sampling_key(params.seed if params.seed is not None else 1000 + i, 0) fo
 TIMEOUT = 30
 
 
-def engine_config(model: str, method: str | None, kv_bytes: int | None = None, role: str = "both") -> EngineConfig:
+def engine_config(model: str, method: str | None, kv_bytes: int | None = None, role: str = "both",
+                  head: str | None = None) -> EngineConfig:
     speculative = SpeculativeConfig(method=method, num_speculative_tokens=3, cost_aware_backoff=False,
-                                    min_acceptance_rate=0.0) if method else SpeculativeConfig()
+                                    min_acceptance_rate=0.0, model=head if method == "mtp" else None,
+                                    num_model_steps=3 if method == "mtp" else 1) if method else SpeculativeConfig()
     return EngineConfig(model=model, device="cpu", speculative=speculative, role=role,
                         cache=CacheConfig(block_size=4, kv_cache_memory_bytes=kv_bytes))
 
 
 async def collect(outputs) -> dict:
-    result = {"tokens": [], "logprobs": [], "prompt_logprobs": None}
+    result = {"tokens": [], "logprobs": [], "prompt_logprobs": None, "speculate_metrics": None}
     async for out in outputs:
         result["prompt_logprobs"] = out.prompt_logprobs or result["prompt_logprobs"]
+        result["speculate_metrics"] = out.speculate_metrics or result["speculate_metrics"]
         for delta in out.deltas:
             result["tokens"] += delta.token_ids
             result["logprobs"] += delta.logprobs or ()
     return result
 
 
-async def one_engine(model: str, method: str | None) -> list[dict]:
-    engine = await AsyncEngine.create(engine_config(model, method))
+async def one_engine(model: str, method: str | None, head: str | None = None) -> list[dict]:
+    engine = await AsyncEngine.create(engine_config(model, method, head=head))
     results = await asyncio.gather(*(collect(engine.generate(p, r)) for p, r in zip(PROMPTS, REQUESTS)))
     await engine.shutdown()
     return results
 
 
-async def handed_over(model: str, method: str | None, break_fetch: bool = False,
-                      decode_kv_bytes: int | None = None) -> tuple[list[dict], int, int, int]:
+async def handed_over(model: str, method: str | None, break_fetch: bool = False, decode_kv_bytes: int | None = None,
+                      head: str | None = None) -> tuple[list[dict], int, int, int]:
     """Each request prefilled by a prefill-role engine (which releases what is read as the
-    notifications come) and decoded by another: the results, the blocks in use on each side once
-    they are done, and the fetches that copied blocks."""
-    prefill = await AsyncEngine.create(engine_config(model, None, role="prefill"))
-    decode = await AsyncEngine.create(engine_config(model, method, decode_kv_bytes))
+    notifications come; with MTP, it has the head too) and decoded by another: the results, the
+    blocks in use on each side once they are done, and the fetches that copied blocks."""
+    prefill = await AsyncEngine.create(engine_config(model, "mtp" if method == "mtp" else None, role="prefill",
+                                                     head=head))
+    decode = await AsyncEngine.create(engine_config(model, method, decode_kv_bytes, head=head))
     decode_agent = KVTransferAgent("decode", decode.runner.kv)
     peer = decode_agent.connect(prefill.kv_agent.layout())
     fetches = 0  # that copied blocks
@@ -96,16 +101,19 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
         assert [(e.token_id, [t for t, _ in e.top]) for e in g["logprobs"]] == \
             [(e.token_id, [t for t, _ in e.top]) for e in w["logprobs"]]
         assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(g["logprobs"], w["logprobs"]))
+        assert g["speculate_metrics"] == w["speculate_metrics"]
     prompt_got, prompt_want = got[0]["prompt_logprobs"], want[0]["prompt_logprobs"]
     assert prompt_got is not None and [e and e.token_id for e in prompt_got] == [e and e.token_id for e in prompt_want]
 
 
-@pytest.mark.parametrize("method", [None, "ngram"])
+@pytest.mark.parametrize("method", [None, "ngram", "mtp"])
 def test_a_handed_over_request_gives_one_engines_outputs(tiny_mtp, method):
-    model, _ = tiny_mtp
-    want = asyncio.run(one_engine(model, method))
-    got, prefill_used, decode_used, fetches = asyncio.run(handed_over(model, method))
+    model, head = tiny_mtp
+    want = asyncio.run(one_engine(model, method, head))
+    got, prefill_used, decode_used, fetches = asyncio.run(handed_over(model, method, head=head))
     assert_same(got, want)
+    if method is not None:  # the first decode step verified drafts, as one engine's does
+        assert all(g["speculate_metrics"].num_draft_tokens > 0 for g in got)
     assert fetches == len(PROMPTS) and prefill_used == decode_used == 0
 
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,7 +18,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from server_fixtures import TINY_MAX_WAITING, LiveServer, default_model_file, tiny_config, tiny_server  # noqa: F401
+from server_fixtures import (
+    TINY_MAX_WAITING,
+    LiveServer,
+    ServeProcess,
+    default_model_file,
+    tiny_config,
+    tiny_server,  # noqa: F401
+)
 from tiny_models import tiny_model_paths
 
 from cupyspec.config import EngineConfig, SchedulerConfig
@@ -312,29 +316,15 @@ def test_health_answers_during_a_long_prefill() -> None:
                                                         (signal.SIGTERM, "asyncio")])
 def test_cli_serves_and_shuts_down_gracefully(tmp_path: Path, stop_signal: signal.Signals, event_loop: str) -> None:
     _hf, gguf_path = tiny_model_paths(tmp_path, "llama")
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "cupyspec.server.cli", "--model", str(gguf_path),
-                                    "--device", "cpu", "--port", "0", "--served-model-name", "tiny",
-                                    "--event-loop", event_loop],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline, match = time.monotonic() + 60, None
-        while match is None and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.1)
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)", log_path.read_text())
-        assert match, log_path.read_text()
-        url = match.group(1)
-        request = urllib.request.Request(url + COMPLETIONS, method="POST", data=json.dumps(
+    with ServeProcess(["--model", str(gguf_path), "--device", "cpu", "--served-model-name", "tiny",
+                       "--event-loop", event_loop], tmp_path / "serve.log") as server:
+        server.wait_ready(60)
+        request = urllib.request.Request(server.base_url + COMPLETIONS, method="POST", data=json.dumps(
             {"prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}).encode())
         with urllib.request.urlopen(request, timeout=60) as response:
             first = response.readline()
-            process.send_signal(stop_signal)
+            server.process.send_signal(stop_signal)
             rest = response.read().decode()
         events = sse_events(first.decode() + rest)
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        assert server.process.wait(timeout=60) == 0

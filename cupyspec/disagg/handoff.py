@@ -7,12 +7,39 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
 
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
+from cupyspec.spec_decode.proposers.base import Drafts
+from cupyspec.transfer import array_module, fetch_arrays, to_device
 
 # decode role: copies a prefill server's blocks (the first list) into ours (the second)
 FetchBlocks = Callable[[list[int], list[int]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HeadDrafts:
+    """An MTP head's drafts for a request's first decode step, made by the prefill server's head
+    from the prompt's last hidden state and the first token, as one server's prefill step makes them."""
+
+    token_ids: tuple[int, ...]  # [K]
+    logprobs: tuple[float, ...]  # [K]: the head's logprob of each
+    probs: bytes = b""  # [K, V] float32: q, where the request draws its drafts (empty: greedy, one-hot)
+
+    @classmethod
+    def of(cls, drafts: Drafts) -> HeadDrafts:
+        """The wire form of a head's proposal (its q on the host)."""
+        probs = b"" if drafts.probs is None else fetch_arrays(array_module(drafts.probs), [drafts.probs])[0].tobytes()
+        return cls(tuple(drafts.token_ids.tolist()), tuple(np.asarray(drafts.logprobs, np.float64).tolist()), probs)
+
+    def drafts(self, xp: Any) -> Drafts:
+        """The proposal, its q on xp's device."""
+        probs = np.frombuffer(self.probs, np.float32).reshape(len(self.token_ids), -1) if self.probs else None
+        return Drafts(np.asarray(self.token_ids, np.int32), None if probs is None else to_device(xp, probs),
+                      np.asarray(self.logprobs, np.float32))
 
 
 @dataclass(frozen=True)
@@ -24,6 +51,7 @@ class PrefilledPrompt:
     logprob: TokenLogprob | None  # its record with the request's top logprobs, when the request asks
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None  # when the request asks (entry 0 is None)
     block_ids: tuple[int, ...]  # the prompt's K/V in the prefill server's pool, in position order
+    drafts: HeadDrafts | None = None  # the MTP head's first drafts, where the prefill server has a head
 
 
 def first_token_only(params: SamplingParams) -> SamplingParams:

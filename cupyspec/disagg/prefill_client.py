@@ -1,9 +1,9 @@
 """Decode role: the prefill servers a decode engine hands its prompts to, over HTTP, and the fetch of
 each prompt's K/V from the server that ran it, through NIXL.
 
-A prompt goes to the server with the fewest prompts in flight from here; a server that cannot be
-reached, fails or times out is skipped for the next one, and its pool is looked up again next
-time. The K/V READ's notification (the handoff id) tells the prefill server to release its blocks;
+A prompt goes to the server with the fewest prompts in flight from here, ties taken in turn; a
+server that cannot be reached, fails or times out is skipped for the next one, and its pool is
+looked up again next time. The K/V READ's notification (the handoff id) tells the prefill server to release its blocks;
 where nothing is read (the first token ended the request, or the pool had no room) a bare
 notification does.
 """
@@ -41,6 +41,7 @@ class PrefillServers:
     def __init__(self, urls: tuple[str, ...], agent: KVTransferAgent, timeout: float) -> None:
         self.urls, self.agent, self.timeout = urls, agent, timeout
         self.in_flight = dict.fromkeys(urls, 0)
+        self._turn = 0  # the server that goes first among equally loaded ones, advanced at every prompt
         self._peers: dict[str, str] = {}  # url -> the server's agent name, once connected
         self._session: aiohttp.ClientSession | None = None
 
@@ -48,8 +49,9 @@ class PrefillServers:
         """The prompt run by the first server that answers, and the fetch of its K/V. InvalidRequestError
         if a server refuses the request; PrefillUnavailableError if none answers."""
         body = msgspec.json.encode(PrefillBody(prompt, params, key))
-        errors = []
-        for url in sorted(self.urls, key=self.in_flight.__getitem__):
+        errors, first = [], self._turn
+        self._turn = (first + 1) % len(self.urls)
+        for url in sorted(self.urls[first:] + self.urls[:first], key=self.in_flight.__getitem__):
             self.in_flight[url] += 1
             try:
                 peer = await self._peer(url)

@@ -19,7 +19,7 @@ from cupyspec.disagg.kv_transfer import KVTransferAgent
 from cupyspec.disagg.prefill_client import PrefillServers
 from cupyspec.engine.admission import check_request
 from cupyspec.engine.build_runner import build_runner
-from cupyspec.engine.handoff_roles import HandoffRoles
+from cupyspec.engine.handoff_roles import HandoffRoles, drafting_rule
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
 from cupyspec.engine.step_loop import StepLoop
 from cupyspec.engine.warm_up import run_warm_up
@@ -87,7 +87,7 @@ class AsyncEngine(HandoffRoles):
         self.metrics = EngineMetrics(self.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished, config.stream_interval)
         self.step_loop = StepLoop(config, self.scheduler, self.runner, self.outputs,
-                                  Drafter(config.speculative, proposer) if proposer is not None else None,
+                                  Drafter(drafting_rule(config), proposer) if proposer is not None else None,
                                   backend.is_cuda)
         self._rng = np.random.default_rng(config.seed)
         self.held_prompts = HeldPrompts(self.block_manager.release, config.prefill_hold_seconds)
@@ -130,7 +130,7 @@ class AsyncEngine(HandoffRoles):
         """Metrics, learned step costs and the probe schedule start afresh after the warm-up."""
         self.metrics = self.outputs.metrics = EngineMetrics(self.model_name)
         if self.drafter is not None:
-            self.step_loop.drafter = Drafter(self.config.speculative, self.drafter.proposer)
+            self.step_loop.drafter = Drafter(drafting_rule(self.config), self.drafter.proposer)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -234,6 +234,8 @@ class AsyncEngine(HandoffRoles):
     def _on_sequence_finished(self, seq: Sequence) -> None:
         if seq.kept_blocks:  # held from now on, so that a prefill whose caller has left expires too
             self.held_prompts.add(seq.request_id, seq.kept_blocks)
+            if self.runner.mtp is not None:
+                seq.kept_drafts = self.runner.mtp.proposer.made_for(seq.seq_id)
         if self.drafter is not None:
             self.drafter.on_sequence_finished(seq)
 

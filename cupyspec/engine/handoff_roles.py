@@ -10,19 +10,27 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
-from cupyspec.disagg.handoff import FetchBlocks, PrefilledPrompt, first_token_only
+from cupyspec.config import EngineConfig
+from cupyspec.disagg.handoff import FetchBlocks, HeadDrafts, PrefilledPrompt, first_token_only
 from cupyspec.engine.step_outputs import SeqStepOutput
 from cupyspec.errors import EngineClosedError
 from cupyspec.outputs import RequestOutput
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.scheduling.scheduler import ScheduledSeq, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
-from cupyspec.spec_decode.speculative_config import RequestSpeculation
+from cupyspec.spec_decode.speculative_config import RequestSpeculation, SpeculativeConfig
 
 log = logging.getLogger("cupyspec")
 
 NOTIFICATION_POLL_SECONDS = 0.002  # prefill role: how often the decode servers' notifications are read
+
+
+def drafting_rule(config: EngineConfig) -> SpeculativeConfig:
+    """The drafter's rule: the configured one, but in the prefill role the fixed rule, so that an MTP
+    head drafts for every prompt; the decode server's own rule decides whether its drafts are verified."""
+    return replace(config.speculative, cost_aware_backoff=False) if config.role == "prefill" else config.speculative
 
 
 class HandoffRoles:
@@ -33,7 +41,8 @@ class HandoffRoles:
         """Prefill role: run `prompt` and sample its first token as `generate` would with the choice's
         `sampling_key` (drawn by the decode server), keeping the prompt's K/V blocks for the decode
         server to read until `release_prefilled` (or the hold's deadline). InvalidRequestError as
-        `generate`; EngineClosedError if the engine stops first."""
+        `generate`; EngineClosedError if the engine stops first. With an MTP head, its drafts for the
+        decode server's first step come along, as this engine's next step would verify them."""
         request = self._add_request(prompt, first_token_only(params), uuid.uuid4().hex, None, (sampling_key,))
         seq = request.seqs[0]
         seq.keep_prompt_kv = True
@@ -45,7 +54,8 @@ class HandoffRoles:
                 logprob = delta.logprobs[0] if delta.logprobs else logprob
         if token_id is None or not seq.kept_blocks:
             raise EngineClosedError("the prefill did not finish")
-        return PrefilledPrompt(request.request_id, token_id, logprob, prompt_logprobs, seq.kept_blocks)
+        drafts = HeadDrafts.of(seq.kept_drafts) if seq.kept_drafts is not None else None
+        return PrefilledPrompt(request.request_id, token_id, logprob, prompt_logprobs, seq.kept_blocks, drafts)
 
     async def generate_prefilled(self, prompt: list[int], params: SamplingParams, sampling_key: int,
                                  prefilled: PrefilledPrompt, fetch: FetchBlocks, request_id: str | None = None,
@@ -69,6 +79,8 @@ class HandoffRoles:
                 await fetch([], [])
             raise
         seq = request.seqs[0]
+        if prefilled.drafts is not None and self.runner.mtp is not None:
+            self.runner.mtp.proposer.adopt(seq.seq_id, prefilled.drafts.drafts(self.backend.xp))
         first_block = self.scheduler.reserve_prefilled(seq)
         if first_block is None:
             self.scheduler.add(seq)  # the pool is short: computed here, from its first token on

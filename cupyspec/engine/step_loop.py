@@ -134,6 +134,7 @@ class StepLoop:
         """Plan and propose drafts, then schedule: the step's batch, and what is still pending. Drafts
         that a host-side proposer makes need the pending step's tokens: it is finished first (the
         plan stands)."""
+        self.scheduler.admit_arrived()
         limits = self.drafter.plan(self.scheduler.running) if self.drafter is not None else {}
         if any(limits.values()) and _in_flight(pending) and not self._drafts_on_device():
             await self._finish(steps, pending)

@@ -150,6 +150,15 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
 
+    def admit_arrived(self) -> None:
+        """Sequences whose prompt's K/V has arrived join the running ones while there is room: before
+        the drafter plans a step (and at `schedule`), so that they draft in their first step here as
+        a sequence prefilled here does in its second."""
+        while self.arrived and len(self.running) < self.config.max_num_seqs:
+            seq = self.arrived.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
     def num_lookahead_tokens(self, seq: Sequence) -> int:
         """KV slots to reserve past the last token of a sequence that samples: its drafts."""
         return len(seq.draft_token_ids)
@@ -161,10 +170,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
 
-        while self.arrived and len(self.running) < self.config.max_num_seqs:
-            seq = self.arrived.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+        self.admit_arrived()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -46,9 +46,11 @@ class Sequence:
     num_placed_tokens: int = 0  # its last output tokens, taken ahead of their delivery (OutputProcessor.place_tokens)
     num_held_drafts: int = 0  # drafts verified by its steps in flight: positions past its held places may move on
     spec: SpecStats = field(default_factory=SpecStats)
-    # prefill role: its prompt's K/V blocks outlive it (`kept_blocks`), held for a decode server to read
+    # prefill role: its prompt's K/V blocks outlive it (`kept_blocks`), held for a decode server to read,
+    # with the MTP head's drafts for the decode server's first step
     keep_prompt_kv: bool = False
     kept_blocks: tuple[int, ...] = ()
+    kept_drafts: Drafts | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -228,6 +228,22 @@ class MTPProposer(Proposer):
     def has_drafts(self) -> bool:
         return bool(self._drafts or self._held)
 
+    def made_for(self, seq_id: int) -> Drafts | None:
+        """The drafts the head made for a sequence's next step in its last collected step (a prefill
+        server ships them with the first token: cupyspec/disagg/); None where it made none."""
+        entry = self._drafts.get(seq_id)
+        if entry is None:
+            return None
+        collected, s, probs = entry
+        tokens, logprobs = collected.row(s)
+        return Drafts(tokens.copy(), probs, logprobs.copy())
+
+    def adopt(self, seq_id: int, drafts: Drafts) -> None:
+        """Propose `drafts`, made by another engine's head (`made_for`), for the sequence's next step,
+        as if the head had made them here."""
+        arrays = (drafts.token_ids[None], drafts.logprobs[None])  # each [1, K]
+        self._drafts[seq_id] = CollectedDrafts(lambda: arrays), 0, drafts.probs
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
         proposals = []
         for request in requests:
