@@ -133,3 +133,16 @@ def test_a_failed_fetch_computes_the_prompt_on_the_decode_side(tiny_mtp):
     assert_same(got, want)
     assert fetches == 0 and decode_used == 0
     assert prefill_used == sum(-(-len(p) // 4) for p in PROMPTS)  # never read: held until their deadline
+
+
+def test_a_decode_engine_warms_up_without_its_prefill_servers(tiny_mtp):
+    model, _ = tiny_mtp
+    config = EngineConfig(model=model, device="cpu", role="decode", prefill_urls=("http://127.0.0.1:9",),
+                          warm_up=True, cache=CacheConfig(block_size=4))
+
+    async def start_and_stop() -> int:
+        engine = await AsyncEngine.create(config)  # the prefill server at the discard port refuses
+        await engine.shutdown()
+        return engine.stats().num_used_kv_blocks
+
+    assert asyncio.run(start_and_stop()) == 0

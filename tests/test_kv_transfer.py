@@ -1,5 +1,6 @@
-"""KV blocks moved between two processes' pools through NIXL, on the CPU (DRAM to DRAM over UCX):
-the blocks read are the peer's, in every layer's K and V, and the peer is notified."""
+"""KV blocks moved between two processes' pools through NIXL, on the CPU (DRAM to DRAM over UCX) and
+on a GPU (VRAM to VRAM): the blocks read are the peer's, in every layer's K and V, and the peer is
+notified."""
 
 from __future__ import annotations
 
@@ -20,21 +21,35 @@ from cupyspec.model.kv_arrays import KVCacheArrays  # noqa: E402
 TIMEOUT = 30  # seconds any one wait of the test may take
 
 
-def pool(num_blocks: int, fill: bool) -> KVCacheArrays:
-    """A pool of a small model's shape (an MTP head's layer included); filled with distinct values."""
-    spec = TinySpec()
+def array_module(device: str):
+    if device == "cpu":
+        return np
+    import cupy
+    return cupy
+
+
+def pool(num_blocks: int, fill: bool, device: str = "cpu") -> KVCacheArrays:
+    """A pool of a small model's shape (an MTP head's layer included) in host or GPU memory; filled
+    with distinct values."""
+    spec, xp = TinySpec(), array_module(device)
     config = ModelConfig("llama", 64, spec.hidden, spec.ffn, 2, spec.heads, spec.kv_heads, spec.head_dim,
                          1e4, 1e-5, 512, False, False, None, (0,))
-    kv = KVCacheArrays(np, config, num_blocks, 4, np.float32, extra_layers=1)
+    kv = KVCacheArrays(xp, config, num_blocks, 4, np.float32, extra_layers=1)
     if fill:
-        kv.k[...] = np.arange(kv.k.size, dtype=np.float32).reshape(kv.k.shape)
+        kv.k[...] = xp.arange(kv.k.size, dtype=np.float32).reshape(kv.k.shape)
         kv.v[...] = -kv.k
     return kv
 
 
-def serve_prefill_pool(layouts: multiprocessing.Queue, notes: multiprocessing.Queue) -> None:
+def on_host(array) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+def serve_prefill_pool(layouts: multiprocessing.Queue, notes: multiprocessing.Queue, device: str) -> None:
     """The peer process: publish a filled pool's layout, then report the first notification."""
-    agent = KVTransferAgent("prefill", pool(24, fill=True))
+    agent = KVTransferAgent("prefill", pool(24, fill=True, device=device))
+    if device != "cpu":
+        array_module(device).cuda.Device().synchronize()
     layouts.put(agent.layout())
     for _ in range(TIMEOUT * 100):
         received = agent.notifications()
@@ -45,26 +60,29 @@ def serve_prefill_pool(layouts: multiprocessing.Queue, notes: multiprocessing.Qu
     agent.close()
 
 
-def start_peer() -> tuple[multiprocessing.Process, PoolLayout, multiprocessing.Queue]:
+def start_peer(device: str = "cpu") -> tuple[multiprocessing.Process, PoolLayout, multiprocessing.Queue]:
     """The peer process, its pool's layout, and the queue of the notifications it receives."""
     context = multiprocessing.get_context("spawn")
     layouts, notes = context.Queue(), context.Queue()
-    peer = context.Process(target=serve_prefill_pool, args=(layouts, notes), daemon=True)
+    peer = context.Process(target=serve_prefill_pool, args=(layouts, notes, device), daemon=True)
     peer.start()
     return peer, layouts.get(timeout=TIMEOUT), notes
 
 
-def test_blocks_read_from_another_process_are_the_peers_and_the_peer_is_notified():
-    peer, layout, notes = start_peer()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_blocks_read_from_another_process_are_the_peers_and_the_peer_is_notified(device):
+    peer, layout, notes = start_peer(device)
     try:
-        kv = pool(10, fill=False)
+        kv = pool(10, fill=False, device=device)
         agent = KVTransferAgent("decode", kv)
         name = agent.connect(layout)
+        assert layout.memory == ("DRAM" if device == "cpu" else "VRAM")
         agent.read(name, [3, 7, 8], [0, 1, 5], b"done:req-1").wait(TIMEOUT)
         source = pool(24, fill=True)
-        np.testing.assert_array_equal(kv.k[:, [0, 1, 5]], source.k[:, [3, 7, 8]])
-        np.testing.assert_array_equal(kv.v[:, [0, 1, 5]], source.v[:, [3, 7, 8]])
-        assert not kv.k[:, [2, 3, 4, 6]].any()  # no other block written
+        k, v = on_host(kv.k), on_host(kv.v)
+        np.testing.assert_array_equal(k[:, [0, 1, 5]], source.k[:, [3, 7, 8]])
+        np.testing.assert_array_equal(v[:, [0, 1, 5]], source.v[:, [3, 7, 8]])
+        assert not k[:, [2, 3, 4, 6]].any()  # no other block written
         assert notes.get(timeout=TIMEOUT) == [("decode", b"done:req-1")]
         agent.close()
     finally:

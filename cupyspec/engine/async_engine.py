@@ -121,9 +121,10 @@ class AsyncEngine(HandoffRoles):
         return engine
 
     async def warm_up(self) -> None:
-        """Run the warm-up requests (`cupyspec/engine/warm_up.py`) through every step path."""
+        """Run the warm-up requests (`cupyspec/engine/warm_up.py`) through every step path, on this engine
+        alone (a decode server warms up without its prefill servers)."""
         room = min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
-        await run_warm_up(self.generate, self.drafter, self.model_config.vocab_size, room,
+        await run_warm_up(self._generate_here, self.drafter, self.model_config.vocab_size, room,
                           self.config.scheduler.max_num_batched_tokens)
 
     def _forget_warm_up(self) -> None:
@@ -161,9 +162,14 @@ class AsyncEngine(HandoffRoles):
         if self.prefill_servers is not None and params.n == 1 and not params.render_logprobs:
             outputs = self.hand_off(self._prompt_ids(prompt, params), params, request_id, speculation)
         else:
-            outputs = self._outputs(self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation))
+            outputs = self._generate_here(prompt, params, request_id, speculation)
         async for output in outputs:
             yield output
+
+    def _generate_here(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
+        """`generate` on this engine alone, whatever its role (bad input raises at once)."""
+        return self._outputs(self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation))
 
     async def _outputs(self, request: RequestState) -> AsyncIterator[RequestOutput]:
         """A request's outputs, as they come; it is aborted if the caller stops reading first."""

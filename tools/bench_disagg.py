@@ -1,0 +1,137 @@
+"""Prefill/decode disaggregation against one server, on the same machine: starts one server and a
+prefill + decode pair (`cupyspec-serve --role ...`, each process its own GPU memory), then runs
+tools/bench_serve.py's benchmark against each in turn, alternating, at every concurrency, and
+reports output throughput, TTFT and the K/V transfer's bandwidth (the decode server's metrics).
+
+    python tools/bench_disagg.py --model model.gguf --concurrency 1 64 --rounds 2 --kv-cache-memory 8GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench_datasets import DatasetSpec
+from bench_serve import BenchConfig, benchmark
+
+TRANSFER_METRICS = ("kv_transfer_bytes_total", "kv_transfer_blocks_total", "kv_transfer_seconds_sum",
+                    "kv_transfer_seconds_count", "kv_transfer_failures_total")
+
+
+class Server:
+    """One `cupyspec-serve` process on a free port of 127.0.0.1, its output in `log_path`."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        with log_path.open("w") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "cupyspec.server.cli", "--port", "0", *args],
+                                            stdout=log, stderr=subprocess.STDOUT)
+        self.url = ""
+
+    def wait_ready(self, timeout: float) -> Server:
+        deadline = time.monotonic() + timeout
+        while not self.url:
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)", self.log_path.read_text())
+            if match:
+                self.url = match.group(1)
+            elif self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.log_path} did not start:\n{self.log_path.read_text()[-3000:]}")
+            else:
+                time.sleep(0.5)
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        """Its Prometheus metrics, by name without the prefix, summed over labels."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        values: dict[str, float] = {}
+        for name, value in re.findall(r"^cupyspec:(\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+            values[name] = values.get(name, 0.0) + float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def run_one(url: str, args: argparse.Namespace, concurrency: int) -> dict:
+    """bench_serve's summary of one run at `concurrency` against the server at `url`."""
+    dataset = DatasetSpec(name="random", num_prompts=max(args.min_prompts, args.prompts_per_stream * concurrency),
+                          endpoint="completions", random_input_len=args.input_len, random_output_len=args.output_len,
+                          output_len=args.output_len)
+    config = BenchConfig(dataset=dataset, base_url=url, max_concurrency=concurrency, ignore_eos=True,
+                         warmup=min(concurrency, 8), progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):  # its table: the rows printed here say what counts
+        return asyncio.run(benchmark(config))["summary"]
+
+
+def transfer_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The K/V fetches between two snapshots of the decode server's metrics."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in TRANSFER_METRICS}
+    seconds, count = delta["kv_transfer_seconds_sum"], delta["kv_transfer_seconds_count"]
+    return {"transfers": count, "blocks": delta["kv_transfer_blocks_total"], "bytes": delta["kv_transfer_bytes_total"],
+            "failures": delta["kv_transfer_failures_total"],
+            "mean_transfer_ms": 1000 * seconds / count if count else 0.0,
+            "bandwidth_gib_s": delta["kv_transfer_bytes_total"] / seconds / 2**30 if seconds else 0.0}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--kv-cache-memory", default="8GiB", help="each server's KV pool")
+    p.add_argument("--server-args", default="", help="more flags for every server, e.g. a --speculative-config")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--rounds", type=int, default=2, help="runs of each setting, alternating")
+    p.add_argument("--input-len", type=int, default=512, help="words per random prompt")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-per-stream", type=int, default=4)
+    p.add_argument("--min-prompts", type=int, default=16)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--log-dir", type=Path, default=Path("."))
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args()
+    common = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory, *args.server_args.split()]
+    results = []
+    with ExitStack() as stack:
+        def start(name: str, *flags: str) -> Server:
+            server = Server([*common, *flags], args.log_dir / f"{name}.log")
+            stack.callback(server.stop)
+            return server
+
+        single = start("single").wait_ready(args.start_timeout)
+        prefill = start("prefill", "--role", "prefill").wait_ready(args.start_timeout)
+        decode = start("decode", "--role", "decode", "--prefill-url", prefill.url).wait_ready(args.start_timeout)
+        for concurrency in args.concurrency:
+            for round_index in range(args.rounds):
+                for setting, server in (("single", single), ("disaggregated", decode)):
+                    before = decode.metrics()
+                    summary = run_one(server.url, args, concurrency)
+                    row = {"setting": setting, "concurrency": concurrency, "round": round_index,
+                           "output_throughput": summary["output_throughput"], "ttft_mean_ms": summary["mean_ttft_ms"],
+                           "ttft_p50_ms": summary["p50_ttft_ms"], "ttft_p99_ms": summary["p99_ttft_ms"],
+                           "tpot_mean_ms": summary["mean_tpot_ms"], "failed": summary["failed_requests"]}
+                    if setting == "disaggregated":
+                        row |= transfer_figures(before, decode.metrics())
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+    if args.result_file is not None:
+        args.result_file.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
