@@ -77,12 +77,13 @@ def test_blocks_read_from_another_process_are_the_peers_and_the_peer_is_notified
         agent = KVTransferAgent("decode", kv)
         name = agent.connect(layout)
         assert layout.memory == ("DRAM" if device == "cpu" else "VRAM")
-        agent.read(name, [3, 7, 8], [0, 1, 5], b"done:req-1").wait(TIMEOUT)
+        remote, local = [3, 7, 8, 9, 12, 13], [0, 1, 2, 3, 5, 7]  # runs: 3, 7-9, 12, 13
+        agent.read(name, remote, local, b"done:req-1").wait(TIMEOUT)
         source = pool(24, fill=True)
         k, v = on_host(kv.k), on_host(kv.v)
-        np.testing.assert_array_equal(k[:, [0, 1, 5]], source.k[:, [3, 7, 8]])
-        np.testing.assert_array_equal(v[:, [0, 1, 5]], source.v[:, [3, 7, 8]])
-        assert not k[:, [2, 3, 4, 6]].any()  # no other block written
+        np.testing.assert_array_equal(k[:, local], source.k[:, remote])
+        np.testing.assert_array_equal(v[:, local], source.v[:, remote])
+        assert not k[:, [4, 6, 8, 9, 10]].any() and not v[:, [4, 6, 8, 9, 10]].any()  # no other block written
         assert notes.get(timeout=TIMEOUT) == [("decode", b"done:req-1")]
         agent.close()
     finally:

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation against one server, on the same machine: starts one server and a
 prefill + decode pair (`cupyspec-serve --role ...`, each process its own GPU memory), then runs
-tools/bench_serve.py's benchmark against each in turn, alternating, at every concurrency, and
-reports output throughput, TTFT and the K/V transfer's bandwidth (the decode server's metrics).
+tools/bench_serve.py's benchmark against each in turn, alternating, at every concurrency (after
+one untimed run of each), every run with prompts of its own, and reports output throughput, TTFT
+and the K/V transfer's bandwidth (the decode server's metrics).
 
     python tools/bench_disagg.py --model model.gguf --concurrency 1 64 --rounds 2 --kv-cache-memory 8GiB
 """
@@ -68,15 +69,34 @@ class Server:
                 self.process.kill()
 
 
-def run_one(url: str, args: argparse.Namespace, concurrency: int) -> dict:
-    """bench_serve's summary of one run at `concurrency` against the server at `url`."""
+def run_one(url: str, args: argparse.Namespace, concurrency: int, seed: int) -> dict:
+    """bench_serve's summary of one run at `concurrency` against the server at `url`, its random
+    prompts drawn with `seed` (new prompts, so that no prefix cache holds them)."""
     dataset = DatasetSpec(name="random", num_prompts=max(args.min_prompts, args.prompts_per_stream * concurrency),
                           endpoint="completions", random_input_len=args.input_len, random_output_len=args.output_len,
-                          output_len=args.output_len)
+                          output_len=args.output_len, seed=seed)
     config = BenchConfig(dataset=dataset, base_url=url, max_concurrency=concurrency, ignore_eos=True,
-                         warmup=min(concurrency, 8), progress=False)
+                         progress=False)
     with contextlib.redirect_stdout(io.StringIO()):  # its table: the rows printed here say what counts
         return asyncio.run(benchmark(config))["summary"]
+
+
+def same_answers(single: Server, decode: Server, count: int) -> int:
+    """How many of `count` greedy completions (64 tokens with their logprobs, one at a time) the
+    pair returns exactly as the single server does."""
+    same = 0
+    for i in range(count):
+        body = json.dumps({"prompt": f"Question {i}: name {i + 2} rivers of Europe and say where each begins.",
+                           "max_tokens": 64, "temperature": 0, "logprobs": 1, "ignore_eos": True}).encode()
+        answers = []
+        for server in (single, decode):
+            request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                choice = json.loads(response.read())["choices"][0]
+            answers.append((choice["text"], choice["logprobs"]))
+        same += answers[0] == answers[1]
+    return same
 
 
 def transfer_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -100,6 +120,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-stream", type=int, default=4)
     p.add_argument("--min-prompts", type=int, default=16)
+    p.add_argument("--check", type=int, default=8, help="greedy completions compared between the two first")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=Path("."))
     p.add_argument("--result-file", type=Path, default=None)
@@ -115,11 +136,16 @@ def main() -> int:
         single = start("single").wait_ready(args.start_timeout)
         prefill = start("prefill", "--role", "prefill").wait_ready(args.start_timeout)
         decode = start("decode", "--role", "decode", "--prefill-url", prefill.url).wait_ready(args.start_timeout)
+        if args.check:
+            print(json.dumps({"same_greedy_answers": same_answers(single, decode, args.check), "of": args.check}))
+        runs = iter(range(1, 1 << 30))  # each run's prompt seed
         for concurrency in args.concurrency:
+            for setting_server in (single, decode):  # untimed: graphs and pools of this batch size
+                run_one(setting_server.url, args, concurrency, next(runs))
             for round_index in range(args.rounds):
                 for setting, server in (("single", single), ("disaggregated", decode)):
                     before = decode.metrics()
-                    summary = run_one(server.url, args, concurrency)
+                    summary = run_one(server.url, args, concurrency, next(runs))
                     row = {"setting": setting, "concurrency": concurrency, "round": round_index,
                            "output_throughput": summary["output_throughput"], "ttft_mean_ms": summary["mean_ttft_ms"],
                            "ttft_p50_ms": summary["p50_ttft_ms"], "ttft_p99_ms": summary["p99_ttft_ms"],

@@ -2,14 +2,15 @@
 it: shared memory or TCP within a host, CUDA IPC between its GPUs, RDMA across hosts where the
 NICs have it).
 
-Each engine's `KVTransferAgent` registers its pool, every layer's K and V array, each block of
-which is one contiguous region, and publishes a `PoolLayout`: its NIXL metadata and the arrays'
-addresses. The reader pulls, as vLLM's NixlConnector does: the decode side connects to the prefill
-side's layout and READs the blocks it lacks into blocks of its own pool; the transfer's notification
-tells the prefill side that it may release them. Layouts travel in the servers' own control
-messages (HTTP), so no agent listens for metadata. Agents run no progress thread: both sides make
-progress in their own calls, the reader waiting for its transfer and the prefill side polling its
-notifications every few milliseconds (engine/handoff_roles.py), which also serves reads of its pool.
+Each engine's `KVTransferAgent` registers its pool, every layer's K and V array, and publishes a
+`PoolLayout`: its NIXL metadata and the arrays' addresses. The reader pulls, as vLLM's
+NixlConnector does: the decode side connects to the prefill side's layout and READs the blocks it
+lacks into blocks of its own pool, one region per array for each run of blocks consecutive on both
+sides; the transfer's notification tells the prefill side that it may release them. Layouts travel
+in the servers' own control messages (HTTP), so no agent listens for metadata. Agents run no
+progress thread: both sides make progress in their own calls, the reader waiting for its transfer
+and the prefill side polling its notifications every few milliseconds (engine/handoff_roles.py),
+which also serves reads of its pool.
 
 NIXL's Python package declares PyTorch as a dependency for a module this one does not use; install
 it without: `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (nixl-cu13 for CUDA 13).
@@ -26,8 +27,6 @@ from typing import Any
 import numpy as np
 
 from cupyspec.model.kv_arrays import KVCacheArrays
-
-LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for the calling agent in a descriptor list
 
 
 @dataclass(frozen=True)
@@ -79,20 +78,11 @@ class KVTransferAgent:
         whole = kv.k.nbytes // len(kv.k)
         self._registered = self._agent.register_memory(
             [(address, whole, self._device, "") for address in self._regions], self._memory)
-        self._local = self._agent.prep_xfer_dlist(LOCAL_AGENT, self._block_descs(self.layout()), self._memory)
-        self._peers: dict[str, tuple[Any, int]] = {}  # agent name -> (its prepared blocks, blocks per region)
+        self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
 
     def layout(self) -> PoolLayout:
         return PoolLayout(self.name, self._agent.get_agent_metadata(), self._regions, self._blocks,
                           self._block_bytes, self._memory, self._device)
-
-    def _block_descs(self, layout: PoolLayout) -> np.ndarray:
-        """[regions * blocks, 3] uint64: (address, bytes, device) of every block of every region,
-        region by region."""
-        offsets = np.arange(layout.blocks_per_region, dtype=np.uint64) * np.uint64(layout.block_bytes)
-        addresses = (np.asarray(layout.regions, dtype=np.uint64)[:, None] + offsets).reshape(-1)
-        return np.stack([addresses, np.full_like(addresses, layout.block_bytes),
-                         np.full_like(addresses, layout.device)], axis=1)
 
     def connect(self, peer: PoolLayout) -> str:
         """Add a peer's pool (once per agent name); its agent name, for `read`."""
@@ -100,22 +90,21 @@ class KVTransferAgent:
             if (len(peer.regions), peer.block_bytes) != (len(self._regions), self._block_bytes):
                 raise ValueError(f"KV pool of {peer.agent!r} ({len(peer.regions)} arrays of {peer.block_bytes}-byte "
                                  f"blocks) does not match ours ({len(self._regions)} of {self._block_bytes})")
-            name = self._agent.add_remote_agent(peer.metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            blocks = self._agent.prep_xfer_dlist(name, self._block_descs(peer), peer.memory)
-            self._peers[peer.agent] = (blocks, peer.blocks_per_region)
+            self._agent.add_remote_agent(peer.metadata)
+            self._peers[peer.agent] = peer
         return peer.agent
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int],
              notification: bytes) -> Transfer:
         """Start copying the peer's blocks `remote_blocks` into ours `local_blocks`, in every layer's K
-        and V; the peer gets `notification` once the copy is done."""
-        remote, remote_per_region = self._peers[peer]
-        regions = np.arange(len(self._regions))[:, None]
-        local_index = (regions * self._blocks + np.asarray(local_blocks)).reshape(-1)
-        remote_index = (regions * remote_per_region + np.asarray(remote_blocks)).reshape(-1)
-        handle = self._agent.make_prepped_xfer("READ", self._local, local_index.tolist(), remote,
-                                               remote_index.tolist(), notification)
+        and V; the peer gets `notification` once the copy is done. Blocks consecutive on both sides
+        move as one region per array: a transfer costs per region more than per byte."""
+        layout = self._peers[peer]
+        remote_start, local_start, count = _runs(remote_blocks, local_blocks)
+        local = _descs(self._regions, local_start, count, self._block_bytes, self._device)
+        remote = _descs(layout.regions, remote_start, count, self._block_bytes, layout.device)
+        handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._memory),
+                                             self._agent.get_xfer_descs(remote, layout.memory), peer, notification)
         return Transfer(self._agent, handle)
 
     def notify(self, peer: str, message: bytes) -> None:
@@ -131,11 +120,9 @@ class KVTransferAgent:
 
     def close(self) -> None:
         """Forget the peers and release the pool's registration."""
-        for name, (blocks, _) in self._peers.items():
-            blocks.release()
+        for name in self._peers:
             self._agent.remove_remote_agent(name)
         self._peers.clear()
-        self._local.release()
         self._agent.deregister_memory(self._registered)
 
 
@@ -176,6 +163,23 @@ class Transfer:
                 self._state = "ERR"
                 raise KVTransferError(f"KV transfer not done after {timeout} s")
             time.sleep(0.0002)
+
+
+def _runs(remote: Sequence[int], local: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of block pairs consecutive on both sides: each run's remote and local first block,
+    and its length (each [R] int64)."""
+    remote, local = np.asarray(remote, np.int64), np.asarray(local, np.int64)
+    breaks = np.flatnonzero((np.diff(remote) != 1) | (np.diff(local) != 1)) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64)
+    return remote[starts], local[starts], np.diff(np.append(starts, len(remote)))
+
+
+def _descs(regions: Sequence[int], first: np.ndarray, count: np.ndarray, block_bytes: int, device: int) -> np.ndarray:
+    """[regions * R, 3] uint64: (address, bytes, device) of each run (first block [R], length [R]) in
+    every region, region by region."""
+    addresses = np.asarray(regions, np.uint64)[:, None] + first.astype(np.uint64) * np.uint64(block_bytes)
+    sizes = np.broadcast_to(count.astype(np.uint64) * np.uint64(block_bytes), addresses.shape)
+    return np.stack([addresses.reshape(-1), sizes.reshape(-1), np.full(addresses.size, device, np.uint64)], axis=1)
 
 
 def _address(array: Any) -> int:
