@@ -48,6 +48,9 @@ class KVTransferError(RuntimeError):
 
 def _nixl() -> Any:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent's set-up at INFO
+    # UCX reads a peer's GPU memory through CUDA IPC only where it finds NVLink; elsewhere (two
+    # processes on one GPU, or GPUs on PCIe) it emulates the read over TCP, a hundred times slower
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     try:
         from nixl import _api
     except ImportError as exc:
