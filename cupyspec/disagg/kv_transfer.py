@@ -28,6 +28,8 @@ import numpy as np
 
 from cupyspec.model.kv_arrays import KVCacheArrays
 
+POLL_SECONDS = 0.0002  # between two looks at the transfers in flight
+
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -156,16 +158,21 @@ class Transfer:
             self._state = self._step(self._agent.check_xfer_state)
         return self._state == "DONE"
 
+    def abandon(self) -> None:
+        """Give up a copy in progress: its handle is released."""
+        if self._state == "PROC":
+            self._handle.release()
+            self._state = "ERR"
+
     def wait(self, timeout: float) -> None:
         """Return once the copy has finished; KVTransferError if it failed or took over `timeout` s
         (then it is abandoned)."""
         deadline = time.monotonic() + timeout
         while not self.done():
             if time.monotonic() > deadline:
-                self._handle.release()
-                self._state = "ERR"
+                self.abandon()
                 raise KVTransferError(f"KV transfer not done after {timeout} s")
-            time.sleep(0.0002)
+            time.sleep(POLL_SECONDS)
 
 
 def _runs(remote: Sequence[int], local: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
 
 from cupyspec.disagg.handoff import FetchBlocks, PrefilledPrompt
-from cupyspec.disagg.kv_transfer import KVTransferAgent, KVTransferError, PoolLayout
+from cupyspec.disagg.kv_transfer import POLL_SECONDS, KVTransferAgent, KVTransferError, PoolLayout, Transfer
 from cupyspec.errors import InvalidRequestError, PrefillUnavailableError
 from cupyspec.sampling.params import SamplingParams
 
@@ -35,6 +39,71 @@ class PrefillBody(msgspec.Struct, frozen=True):
     sampling_key: int
 
 
+class ReadThread:
+    """Posts the K/V reads and drives them to their end on a thread of its own, which looks at every
+    read in flight in turn (a thread per read would poll as many times over, each poll taking the
+    interpreter lock from the engine)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (post, timeout, future, loop), or None: stop
+        self._thread = threading.Thread(target=self._run, name="cupyspec-kv-reads", daemon=True)
+        self._thread.start()
+
+    def read(self, post: Callable[[], Transfer], timeout: float) -> asyncio.Future:
+        """The end of the transfer `post` starts: its future's exception is KVTransferError where it
+        failed or took over `timeout` s."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put((post, timeout, future, loop))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        pending: list[tuple[Transfer, float, asyncio.Future, asyncio.AbstractEventLoop]] = []
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_SECONDS) if pending else self._queue.get()
+            except queue.Empty:
+                item = ()
+            if item is None:
+                for transfer, _, future, loop in pending:
+                    transfer.abandon()
+                    _settle(future, loop, KVTransferError("the engine is shutting down"))
+                return
+            if item:
+                post, timeout, future, loop = item
+                try:
+                    pending.append((post(), time.monotonic() + timeout, future, loop))
+                except Exception as exc:  # noqa: BLE001 - the reader computes the prompt itself
+                    _settle(future, loop, exc)
+            pending = [entry for entry in pending if not _ended(*entry)]
+
+
+def _ended(transfer: Transfer, deadline: float, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a read in flight has ended (its future then settled)."""
+    try:
+        if transfer.done():
+            _settle(future, loop, None)
+            return True
+        if time.monotonic() > deadline:
+            transfer.abandon()
+            raise KVTransferError("KV transfer timed out")
+    except KVTransferError as exc:
+        _settle(future, loop, exc)
+        return True
+    return False
+
+
+def _settle(future: asyncio.Future, loop: asyncio.AbstractEventLoop, error: BaseException | None) -> None:
+    def settle() -> None:
+        if not future.done():  # (its waiter may have been cancelled)
+            future.set_result(None) if error is None else future.set_exception(error)
+    loop.call_soon_threadsafe(settle)
+
+
 class PrefillServers:
     """The prefill servers at `urls`, least loaded first, each reached through `agent`."""
 
@@ -44,6 +113,7 @@ class PrefillServers:
         self._turn = 0  # the server that goes first among equally loaded ones, advanced at every prompt
         self._peers: dict[str, str] = {}  # url -> the server's agent name, once connected
         self._session: aiohttp.ClientSession | None = None
+        self._reads = ReadThread()
 
     async def prefill(self, prompt: list[int], params: SamplingParams, key: int) -> tuple[PrefilledPrompt, FetchBlocks]:
         """The prompt run by the first server that answers, and the fetch of its K/V. InvalidRequestError
@@ -75,8 +145,7 @@ class PrefillServers:
     def _fetch(self, peer: str, handoff_id: str) -> FetchBlocks:
         async def fetch(remote: list[int], local: list[int]) -> None:
             if remote:
-                transfer = self.agent.read(peer, remote, local, handoff_id.encode())
-                await asyncio.to_thread(transfer.wait, self.timeout)
+                await self._reads.read(lambda: self.agent.read(peer, remote, local, handoff_id.encode()), self.timeout)
             else:
                 self.agent.notify(peer, handoff_id.encode())
         return fetch
@@ -100,5 +169,6 @@ class PrefillServers:
         return self._session
 
     async def close(self) -> None:
+        self._reads.close()
         if self._session is not None:
             await self._session.close()
