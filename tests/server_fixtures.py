@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -93,58 +89,6 @@ class LiveServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             self._loop.close()
-
-
-class ServeProcess:
-    """`cupyspec-serve` in a process of its own, on a free port of 127.0.0.1, its log in `log_path`."""
-
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
-        self.log_path = log_path
-        with log_path.open("w") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "cupyspec.server.cli", "--port", "0", *args],
-                                            stdout=log, stderr=subprocess.STDOUT)
-        self.base_url = ""
-
-    def wait_ready(self, timeout: float = 120.0) -> ServeProcess:
-        """Wait until it listens (AssertionError with its log if it exits or takes longer)."""
-        deadline, match = time.monotonic() + timeout, None
-        while match is None and time.monotonic() < deadline and self.process.poll() is None:
-            time.sleep(0.1)
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)", self.log_path.read_text())
-        assert match, self.log_path.read_text()
-        self.base_url = match.group(1)
-        return self
-
-    def metrics(self) -> dict[str, float]:
-        """Its Prometheus metrics, by name without the `cupyspec:` prefix (each summed over its labels)."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for name, value in re.findall(r"^cupyspec:(\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
-            values[name] = values.get(name, 0.0) + float(value)
-        return values
-
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        """Wait until no request runs or waits and no KV block is held; returns the last metrics."""
-        deadline = time.monotonic() + timeout
-        while True:
-            values = self.metrics()
-            busy = values["num_requests_running"], values["num_requests_waiting"], values["kv_cache_usage_perc"]
-            idle = not any(busy)
-            if idle or time.monotonic() > deadline:
-                return values
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-    def __enter__(self) -> ServeProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
 
 
 def tiny_config(model_dir: Path, **scheduler: Any) -> EngineConfig:

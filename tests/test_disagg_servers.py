@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("nixl", reason="KV transfer needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
 
-from server_fixtures import LiveServer, ServeProcess, tiny_config  # noqa: E402
+from serve_process import ServeProcess  # noqa: E402
+from server_fixtures import LiveServer, tiny_config  # noqa: E402
 from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file  # noqa: E402
 
 BODIES = [

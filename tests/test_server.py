@@ -18,10 +18,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from serve_process import ServeProcess
 from server_fixtures import (
     TINY_MAX_WAITING,
     LiveServer,
-    ServeProcess,
     default_model_file,
     tiny_config,
     tiny_server,  # noqa: F401

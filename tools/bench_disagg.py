@@ -14,59 +14,17 @@ import asyncio
 import contextlib
 import io
 import json
-import re
-import subprocess
 import sys
-import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
 from bench_datasets import DatasetSpec
 from bench_serve import BenchConfig, benchmark
+from serve_process import ServeProcess
 
 TRANSFER_METRICS = ("kv_transfer_bytes_total", "kv_transfer_blocks_total", "kv_transfer_seconds_sum",
                     "kv_transfer_seconds_count", "kv_transfer_failures_total")
-
-
-class Server:
-    """One `cupyspec-serve` process on a free port of 127.0.0.1, its output in `log_path`."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        with log_path.open("w") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "cupyspec.server.cli", "--port", "0", *args],
-                                            stdout=log, stderr=subprocess.STDOUT)
-        self.url = ""
-
-    def wait_ready(self, timeout: float) -> Server:
-        deadline = time.monotonic() + timeout
-        while not self.url:
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)", self.log_path.read_text())
-            if match:
-                self.url = match.group(1)
-            elif self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.log_path} did not start:\n{self.log_path.read_text()[-3000:]}")
-            else:
-                time.sleep(0.5)
-        return self
-
-    def metrics(self) -> dict[str, float]:
-        """Its Prometheus metrics, by name without the prefix, summed over labels."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for name, value in re.findall(r"^cupyspec:(\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
-            values[name] = values.get(name, 0.0) + float(value)
-        return values
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
 
 def run_one(url: str, args: argparse.Namespace, concurrency: int, seed: int) -> dict:
@@ -81,7 +39,7 @@ def run_one(url: str, args: argparse.Namespace, concurrency: int, seed: int) -> 
         return asyncio.run(benchmark(config))["summary"]
 
 
-def same_answers(single: Server, decode: Server, count: int) -> int:
+def same_answers(single: ServeProcess, decode: ServeProcess, count: int) -> int:
     """How many of `count` greedy completions (64 tokens with their logprobs, one at a time) the
     pair returns exactly as the single server does."""
     same = 0
@@ -90,7 +48,7 @@ def same_answers(single: Server, decode: Server, count: int) -> int:
                            "max_tokens": 64, "temperature": 0, "logprobs": 1, "ignore_eos": True}).encode()
         answers = []
         for server in (single, decode):
-            request = urllib.request.Request(server.url + "/v1/completions", data=body,
+            request = urllib.request.Request(server.base_url + "/v1/completions", data=body,
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as response:
                 choice = json.loads(response.read())["choices"][0]
@@ -128,24 +86,24 @@ def main() -> int:
     common = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory, *args.server_args.split()]
     results = []
     with ExitStack() as stack:
-        def start(name: str, *flags: str) -> Server:
-            server = Server([*common, *flags], args.log_dir / f"{name}.log")
+        def start(name: str, *flags: str) -> ServeProcess:
+            server = ServeProcess([*common, *flags], args.log_dir / f"{name}.log")
             stack.callback(server.stop)
             return server
 
         single = start("single").wait_ready(args.start_timeout)
         prefill = start("prefill", "--role", "prefill").wait_ready(args.start_timeout)
-        decode = start("decode", "--role", "decode", "--prefill-url", prefill.url).wait_ready(args.start_timeout)
+        decode = start("decode", "--role", "decode", "--prefill-url", prefill.base_url).wait_ready(args.start_timeout)
         if args.check:
             print(json.dumps({"same_greedy_answers": same_answers(single, decode, args.check), "of": args.check}))
         runs = iter(range(1, 1 << 30))  # each run's prompt seed
         for concurrency in args.concurrency:
             for setting_server in (single, decode):  # untimed: graphs and pools of this batch size
-                run_one(setting_server.url, args, concurrency, next(runs))
+                run_one(setting_server.base_url, args, concurrency, next(runs))
             for round_index in range(args.rounds):
                 for setting, server in (("single", single), ("disaggregated", decode)):
                     before = decode.metrics()
-                    summary = run_one(server.url, args, concurrency, next(runs))
+                    summary = run_one(server.base_url, args, concurrency, next(runs))
                     row = {"setting": setting, "concurrency": concurrency, "round": round_index,
                            "output_throughput": summary["output_throughput"], "ttft_mean_ms": summary["mean_ttft_ms"],
                            "ttft_p50_ms": summary["p50_ttft_ms"], "ttft_p99_ms": summary["p99_ttft_ms"],
