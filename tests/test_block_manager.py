@@ -118,6 +118,18 @@ def test_lru_evicts_tail_blocks_first():
     assert b.num_computed_tokens == 8  # blocks 0 and 1 of the prefix survived, block 2 did not
 
 
+def test_a_prompt_takes_reused_blocks_in_ascending_order():
+    """Eviction hands a freed prompt's blocks back tail first; the next prompt takes them in order, so
+    that they stay one run of consecutive blocks (which a K/V transfer moves as one region)."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    first = make_seq(list(range(32)))  # all 8 blocks, registered, then evictable
+    prefill(bm, first)
+    bm.free(first)
+    second = make_seq([100 + t for t in range(32)])  # shares nothing: evicts all 8
+    prefill(bm, second)
+    assert second.block_ids == sorted(second.block_ids) == list(range(8))
+
+
 def test_ensure_slots_is_all_or_nothing():
     bm = BlockManager(4, 4, enable_prefix_caching=False)
     a = make_seq(list(range(8)))

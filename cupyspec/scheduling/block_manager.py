@@ -121,7 +121,9 @@ class BlockManager:
         if not self.can_allocate(missing):
             return False
         self._seqs.setdefault(seq.seq_id, _SeqState())
-        seq.block_ids.extend(self._fresh_block() for _ in range(missing))
+        # in ascending order (eviction hands a freed sequence's blocks back tail first): a prompt's
+        # blocks then lie in runs, each of which moves between pools as one region (cupyspec/disagg/)
+        seq.block_ids.extend(sorted(self._fresh_block() for _ in range(missing)))
         return True
 
     def commit(self, seq: Sequence) -> None:
