@@ -22,6 +22,8 @@ from serve_process import ServeProcess  # noqa: E402
 from server_fixtures import LiveServer, tiny_config  # noqa: E402
 from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_head_file  # noqa: E402
 
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig  # noqa: E402
+
 BODIES = [
     {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "logprobs": 5, "echo": True},
     {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0.8, "seed": 7, "logprobs": 5},
@@ -119,6 +121,18 @@ def test_a_prefill_server_that_is_down_is_skipped_and_none_at_all_is_a_503(confi
         status, text = post(decode.base_url, BODIES[0])
         stats = decode.wait_idle()
     assert status == 503 and json.loads(text)["error"]["code"] == "prefill_unavailable"
+    assert stats.num_used_kv_blocks == 0
+
+
+def test_a_prefill_server_without_the_decode_servers_mtp_head_answers_with_a_503(config, tmp_path):
+    head = write_head_file(tmp_path / "head.safetensors", random_head_weights(TinySpec()))
+    mtp = SpeculativeConfig(method="mtp", model=str(head), num_speculative_tokens=1)
+    with LiveServer(dataclasses.replace(config, role="prefill")) as prefill:
+        decode_config = dataclasses.replace(config, role="decode", prefill_urls=(prefill.base_url,), speculative=mtp)
+        with LiveServer(decode_config) as decode:
+            status, text = post(decode.base_url, BODIES[0])
+            stats = decode.wait_idle()
+    assert status == 503 and "does not match ours" in json.loads(text)["error"]["message"]
     assert stats.num_used_kv_blocks == 0
 
 

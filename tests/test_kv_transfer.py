@@ -98,7 +98,7 @@ def test_a_pool_of_another_shape_is_refused():
     layout = other.layout()
     narrower = PoolLayout(layout.agent, layout.metadata, layout.regions[:-2], layout.blocks_per_region,
                           layout.block_bytes, layout.memory, layout.device)
-    with pytest.raises(ValueError, match="does not match ours"):
+    with pytest.raises(KVTransferError, match="does not match ours"):
         agent.connect(narrower)
     agent.close()
     other.close()

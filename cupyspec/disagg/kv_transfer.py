@@ -90,11 +90,14 @@ class KVTransferAgent:
                           self._block_bytes, self._memory, self._device)
 
     def connect(self, peer: PoolLayout) -> str:
-        """Add a peer's pool (once per agent name); its agent name, for `read`."""
+        """Add a peer's pool (once per agent name); its agent name, for `read`. KVTransferError where
+        its blocks are not ours (another model, block size or MTP head)."""
         if peer.agent not in self._peers:
             if (len(peer.regions), peer.block_bytes) != (len(self._regions), self._block_bytes):
-                raise ValueError(f"KV pool of {peer.agent!r} ({len(peer.regions)} arrays of {peer.block_bytes}-byte "
-                                 f"blocks) does not match ours ({len(self._regions)} of {self._block_bytes})")
+                theirs = f"{len(peer.regions)} arrays of {peer.block_bytes}-byte blocks"
+                ours = f"{len(self._regions)} of {self._block_bytes}"
+                raise KVTransferError(f"KV pool of {peer.agent!r} ({theirs}) does not match ours ({ours}): "
+                                      "the servers must run the same model, block size and MTP head")
             self._agent.add_remote_agent(peer.metadata)
             self._peers[peer.agent] = peer
         return peer.agent
