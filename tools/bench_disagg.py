@@ -23,6 +23,7 @@ from bench_datasets import DatasetSpec
 from bench_serve import BenchConfig, benchmark
 from serve_process import ServeProcess
 
+SPECULATION = ("spec_draft_tokens", "acceptance_rate", "mean_acceptance_length")  # bench_serve's, where it speculates
 TRANSFER_METRICS = ("kv_transfer_bytes_total", "kv_transfer_blocks_total", "kv_transfer_seconds_sum",
                     "kv_transfer_seconds_count", "kv_transfer_failures_total")
 
@@ -107,7 +108,8 @@ def main() -> int:
                     row = {"setting": setting, "concurrency": concurrency, "round": round_index,
                            "output_throughput": summary["output_throughput"], "ttft_mean_ms": summary["mean_ttft_ms"],
                            "ttft_p50_ms": summary["p50_ttft_ms"], "ttft_p99_ms": summary["p99_ttft_ms"],
-                           "tpot_mean_ms": summary["mean_tpot_ms"], "failed": summary["failed_requests"]}
+                           "tpot_mean_ms": summary["mean_tpot_ms"], "failed": summary["failed_requests"],
+                           **{key: summary[key] for key in SPECULATION if key in summary}}
                     if setting == "disaggregated":
                         row |= transfer_figures(before, decode.metrics())
                     results.append(row)
