@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -169,3 +170,24 @@ def test_requests_survive_a_prefill_server_killed_mid_run(model, tmp_path):
     assert all(status in (200, 503) for status, _ in results) and all(e["message"] for e in failed)
     assert len(failed) < 20
     assert decode_metrics["kv_cache_usage_perc"] == keeps_metrics["kv_cache_usage_perc"] == 0
+
+
+def test_both_roles_shut_down_gracefully_on_sigterm(model, tmp_path):
+    """A decode server told to stop finishes the stream it serves and exits 0; so does its prefill
+    server, idle by then, which lets go of what it held."""
+    with serve(model, None, tmp_path / "prefill.log", "--role", "prefill") as prefill:
+        flags = ("--role", "decode", "--prefill-url", prefill.wait_ready().base_url)
+        with serve(model, None, tmp_path / "decode.log", *flags) as decode:
+            body = json.dumps({"prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+            request = urllib.request.Request(decode.wait_ready().base_url + "/v1/completions", body,
+                                             {"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(request, timeout=60) as response:
+                first = response.readline()
+                decode.process.send_signal(signal.SIGTERM)
+                rest = response.read().decode()
+            assert decode.process.wait(timeout=60) == 0
+        events = [json.loads(line[6:]) for line in (first.decode() + rest).split("\n\n") if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
+        assert prefill.wait_idle()["kv_cache_usage_perc"] == 0
+        prefill.process.send_signal(signal.SIGTERM)
+        assert prefill.process.wait(timeout=60) == 0

@@ -7,6 +7,7 @@ decode side instead, with the same outputs; no KV block stays in use on either s
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -146,3 +147,35 @@ def test_a_decode_engine_warms_up_without_its_prefill_servers(tiny_mtp):
         return engine.stats().num_used_kv_blocks
 
     assert asyncio.run(start_and_stop()) == 0
+
+
+@pytest.mark.parametrize("fetch_ends", [True, False])
+def test_shutdown_lets_a_request_whose_kv_is_on_its_way_finish_or_aborts_it(tiny_mtp, fetch_ends):
+    """Shutdown waits for a request whose prompt's K/V is still being fetched, which then finishes; one
+    whose fetch outlasts shutdown's time is aborted (its stream ends) and shutdown returns."""
+    model, _ = tiny_mtp
+
+    async def main() -> tuple[dict, float]:
+        prefill = await AsyncEngine.create(engine_config(model, None, role="prefill"))
+        decode = await AsyncEngine.create(engine_config(model, None))
+        handed = await prefill.prefill(PROMPTS[1], REQUESTS[1], KEYS[1])
+        release = asyncio.Event()
+
+        async def fetch(remote, local):  # a copy that ends when told (the K/V stays zeros)
+            await release.wait()
+
+        result = asyncio.ensure_future(collect(decode.generate_prefilled(PROMPTS[1], REQUESTS[1], KEYS[1], handed,
+                                                                         fetch)))
+        await asyncio.sleep(0.05)  # the first token delivered, the K/V on its way
+        started = time.monotonic()
+        stopping = asyncio.ensure_future(decode.shutdown(timeout=5.0 if fetch_ends else 0.2))
+        await asyncio.sleep(0.3)
+        if fetch_ends:
+            release.set()
+        await stopping
+        await prefill.shutdown()
+        return await asyncio.wait_for(result, 10), time.monotonic() - started
+
+    result, seconds = asyncio.run(main())
+    assert len(result["tokens"]) == (16 if fetch_ends else 1)
+    assert seconds < 3

@@ -48,11 +48,12 @@ class KVTransferError(RuntimeError):
     """A transfer failed or its peer went away."""
 
 
-def _nixl() -> Any:
+def _nixl(gpu: bool) -> Any:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent's set-up at INFO
-    # UCX reads a peer's GPU memory through CUDA IPC only where it finds NVLink; elsewhere (two
-    # processes on one GPU, or GPUs on PCIe) it emulates the read over TCP, a hundred times slower
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    if gpu:
+        # UCX reads a peer's GPU memory through CUDA IPC only where it finds NVLink; elsewhere (two
+        # processes on one GPU, or GPUs on PCIe) it emulates the read over TCP, a hundred times slower
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     try:
         from nixl import _api
     except ImportError as exc:
@@ -66,7 +67,10 @@ class KVTransferAgent:
     it returns (shared memory within a host): call `read` from a worker thread, not an event loop."""
 
     def __init__(self, name: str, kv: KVCacheArrays) -> None:
-        api = _nixl()
+        arrays = [*kv.k, *kv.v]  # each layer's [blocks + 1, block_size, Hkv, D]
+        first = arrays[0]
+        self._memory = "DRAM" if isinstance(first, np.ndarray) else "VRAM"
+        api = _nixl(self._memory == "VRAM")
         self.name = name
         # No progress thread (NIXL's polls without pause, a core's worth): transfers and notifications
         # progress in our own calls, which may come from several threads, hence the agent's lock.
@@ -74,9 +78,6 @@ class KVTransferAgent:
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = api.nixl_agent(name, config)
         self._kv = kv  # the registered memory stays allocated while the agent lives
-        arrays = [*kv.k, *kv.v]  # each layer's [blocks + 1, block_size, Hkv, D]
-        first = arrays[0]
-        self._memory = "DRAM" if isinstance(first, np.ndarray) else "VRAM"
         self._device = 0 if self._memory == "DRAM" else first.device.id
         self._regions = tuple(_address(a) for a in arrays)
         self._blocks, self._block_bytes = first.shape[0], first[0].nbytes

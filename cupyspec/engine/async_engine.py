@@ -280,6 +280,8 @@ class AsyncEngine(HandoffRoles):
             await asyncio.wait_for(self._loop_task, timeout=max(5.0, timeout))
         except asyncio.TimeoutError:
             self._loop_task.cancel()
+        if self.outputs.requests:  # the loop ended before them (it failed, or was cancelled)
+            self.outputs.fail_all(EngineClosedError("the engine shut down"))
         if self._release_task is not None:
             self._release_task.cancel()
         if self.prefill_servers is not None:

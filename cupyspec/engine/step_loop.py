@@ -91,7 +91,7 @@ class StepLoop:
             while True:
                 pending = await self._settle(steps, pending)
                 if not self.scheduler.has_work:
-                    if self.closed:
+                    if self._may_end():
                         return
                     await self._idle()
                     mark = time.perf_counter()
@@ -217,13 +217,17 @@ class StepLoop:
     async def _idle(self) -> None:
         """Nothing to run: do the proposer's deferred work a slice at a time, then wait for a request."""
         def has_news() -> bool:  # a request, an abort or shutdown
-            return bool(self.scheduler.has_work or self.aborts or self.closed)
+            return bool(self.scheduler.has_work or self.aborts or self._may_end())
 
         while not has_news() and self.drafter is not None and self.drafter.catch_up(IDLE_SLICE_SECONDS):
             await asyncio.sleep(0)
         if not has_news():
             self.wake.clear()
             await self.wake.wait()
+
+    def _may_end(self) -> bool:
+        """Closed, with no live request's prompt K/V on its way from a prefill server (it runs here next)."""
+        return self.closed and all(seq.is_finished for seq in self.scheduler.receiving)
 
     def _launched_mtp(self, inputs: StepInputs, held: bool) -> None:
         """Tell the MTP proposer of a launched step: whether the head drafts in it, and the placeholder
