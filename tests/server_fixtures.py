@@ -10,19 +10,16 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import pytest
 from tiny_models import tiny_model_paths
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
 from cupyspec.engine import AsyncEngine, EngineStats
 from cupyspec.loader.default_model import DEFAULT_MODEL, KNOWN_MODELS, MODEL_ENV_VAR, cache_dir
-from cupyspec.logprobs.logprob_json import LogprobRenderer, LogprobsJSON
-from cupyspec.outputs import TokenLogprob
 from cupyspec.server.app import create_app, start_server
 
 T = TypeVar("T")
@@ -111,13 +108,3 @@ def default_model_file() -> Path | None:
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with LiveServer(tiny_config(tmp_path_factory.mktemp("tiny-model"))) as server:
         yield server
-
-
-def render_records(renderer: LogprobRenderer, records: Sequence[TokenLogprob]) -> LogprobsJSON:
-    """The entries an engine renders for these token logprobs (SamplingParams.render_logprobs), for
-    scripted engines."""
-    n, k = len(records), len(records[0].top_ids) if records else 0
-    args = (np.array([r.token_id for r in records], np.int64), np.array([r.logprob for r in records], np.float32),
-            np.array([r.top_ids for r in records], np.int64).reshape(n, k),
-            np.array([r.top_logprobs for r in records], np.float32).reshape(n, k), k, np.full(n, k), n, n)
-    return renderer.entries(renderer.render(np, *args), n, [(0, n)], lambda: args)[0]

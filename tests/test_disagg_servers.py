@@ -25,12 +25,18 @@ from tiny_models import TinySpec, random_head_weights, tiny_model_paths, write_h
 
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig  # noqa: E402
 
+# completions and chat, greedy and seeded, whole and streamed, with top-5 logprobs; no two prompts share
+# a block (one server's prefix cache would compute the second's last rows apart: other roundings)
 BODIES = [
     {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "logprobs": 5, "echo": True},
     {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0.8, "seed": 7, "logprobs": 5},
     {"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "logprobs": 5, "stream": True},
     {"prompt": "One two three four five", "max_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 3,
      "logprobs": 5, "echo": True, "stream": True},
+    {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 12, "temperature": 0,
+     "logprobs": True, "top_logprobs": 5},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}], "max_tokens": 12,
+     "temperature": 0.8, "seed": 5, "logprobs": True, "top_logprobs": 5, "stream": True},
 ]
 # the fixed back-off rule: drafts do not depend on timing, so speculate_metrics are one server's
 SPECULATION = {None: None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
@@ -38,7 +44,8 @@ SPECULATION = {None: None, "ngram": {"method": "ngram", "num_speculative_tokens"
 
 
 def post(base_url: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -56,11 +63,12 @@ def answers(base_url: str) -> list[tuple[object, ...]]:
         if body.get("stream"):
             events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
             choices = [e["choices"][0] for e in events if e["choices"]]
-            results.append(("".join(c["text"] for c in choices), [c["logprobs"] for c in choices],
-                            events[-1].get("speculate_metrics")))
+            results.append(("".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices),
+                            [c["logprobs"] for c in choices], events[-1].get("speculate_metrics")))
         else:
             answer = json.loads(text)
-            results.append((answer["choices"][0]["text"], answer["choices"][0]["logprobs"],
+            choice = answer["choices"][0]
+            results.append((choice.get("text") or choice["message"]["content"], choice["logprobs"],
                             answer.get("speculate_metrics")))
     return results
 
@@ -100,7 +108,9 @@ def test_a_decode_server_with_two_prefill_servers_answers_as_one_server(model, m
     if method is not None:  # drafts were verified
         assert sum(speculate["num_draft_tokens"] for _, _, speculate in got) > 0
     assert all(m["prompt_tokens_total"] > 0 for m in prefill_metrics)  # both prefill servers ran prompts
-    assert decode_metrics["kv_transfer_blocks_total"] == len(BODIES)  # each prompt fits one 16-token block
+    blocks, nbytes = decode_metrics["kv_transfer_blocks_total"], decode_metrics["kv_transfer_bytes_total"]
+    layers = 3 if method == "mtp" else 2  # the head's K/V moves with the target's
+    assert blocks >= len(BODIES) and nbytes == blocks * 2 * layers * 16 * 2 * 16 * 4  # [K and V, L, 16, 2, 16] fp32
     assert decode_metrics["kv_transfer_failures_total"] == 0
     assert decode_metrics["kv_cache_usage_perc"] == 0 and all(m["kv_cache_usage_perc"] == 0 for m in prefill_metrics)
 

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from server_fixtures import LiveServer, render_records, tiny_config
+from server_fixtures import LiveServer, tiny_config
 from tiny_models import TinySpec, random_head_weights, write_head_file
 
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
@@ -78,7 +78,7 @@ class DraftScriptEngine:
         logprobs = tuple(TokenLogprob(t, -1.0, *top_of(params)) for t in tokens) if params.logprobs is not None else None
         rendered = None
         if params.render_logprobs and logprobs is not None:
-            logprobs, rendered = None, render_records(self.renderer, logprobs)
+            logprobs, rendered = None, self.renderer.render_records(logprobs)
         draft_lps = None
         if params.include_draft_logprobs and speculates:
             draft_lps = tuple(DraftLogprob(ord(ch) + choice, lp, *top_of(params), accepted)

@@ -11,7 +11,6 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from server_fixtures import render_records
 
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
@@ -173,7 +172,7 @@ RENDERER = LogprobRenderer(np, VocabJSON.build(TokenText(ByteTokenizer()), 256))
 
 def test_chat_logprobs_format() -> None:
     record = TokenLogprob(0xC3, -1.5, [0xC3, ord("x")], [-1.5, -2.5])
-    (entry,) = json.loads(render_records(RENDERER, [record]).json())
+    (entry,) = json.loads(RENDERER.render_records([record]).json())
     assert entry == {"token": "bytes:\\xc3", "logprob": -1.5, "bytes": [0xC3],
                      "top_logprobs": [{"token": "bytes:\\xc3", "logprob": -1.5, "bytes": [0xC3]},
                                       {"token": "x", "logprob": -2.5, "bytes": [120]}]}
@@ -211,7 +210,7 @@ class ScriptedEngine:
                 lps = (TokenLogprob(token, -1.0, [token], [-1.0]),) if params.logprobs is not None else None
                 if params.render_logprobs:
                     deltas.append(CompletionDelta(c, chr(token), (token,), None, "length" if last else None,
-                                                  logprobs_json=render_records(RENDERER, lps)))
+                                                  logprobs_json=RENDERER.render_records(lps)))
                 else:
                     deltas.append(CompletionDelta(c, chr(token), (token,), lps, "length" if last else None))
             yield RequestOutput(request_id, ids, tuple(deltas), len(ids), (step + 1) * params.n, last,

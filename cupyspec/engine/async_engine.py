@@ -159,7 +159,7 @@ class AsyncEngine(HandoffRoles):
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Bad input raises before the first yield."""
-        if self.prefill_servers is not None and params.n == 1 and not params.render_logprobs:
+        if self.prefill_servers is not None and params.n == 1:
             outputs = self.hand_off(self._prompt_ids(prompt, params), params, request_id, speculation)
         else:
             outputs = self._generate_here(prompt, params, request_id, speculation)

@@ -68,8 +68,8 @@ class HandoffRoles:
         may let its blocks go); where the pool is short or the fetch fails, the prompt is computed
         here instead, with the same outputs."""
         try:
-            if params.n != 1 or params.render_logprobs:
-                raise ValueError("a prefilled request has one choice and its logprobs as records")
+            if params.n != 1:
+                raise ValueError("a prefilled request has one choice")
             if len(prefilled.block_ids) != self.block_manager.blocks_for(len(prompt)):
                 raise ValueError("the prefill server's blocks do not hold this prompt in blocks of this size")
             request = self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation,
@@ -85,8 +85,11 @@ class HandoffRoles:
         if first_block is None:
             self.scheduler.add(seq)  # the pool is short: computed here, from its first token on
         prompt_logprobs = tuple((i, lp) for i, lp in enumerate(prefilled.prompt_logprobs or ()) if lp is not None)
-        first = SeqStepOutput((prefilled.token_id,), (prefilled.logprob,) if prefilled.logprob else None,
-                              prompt_logprobs=prompt_logprobs)
+        record = prefilled.logprob
+        rendered = params.render_logprobs and record is not None  # (chat's logprobs: rendered as JSON entries)
+        first = SeqStepOutput((prefilled.token_id,), (record,) if record and not rendered else None,
+                              prompt_logprobs=prompt_logprobs,
+                              logprobs_json=self.runner.renderer.render_records([record]) if rendered else None)
         self.outputs.process_step(SchedulerOutput((ScheduledSeq(seq, seq.num_prompt_tokens, 0, seq.num_prompt_tokens),),
                                                   ()), [first])
         task = asyncio.create_task(self._receive(seq, fetch, prefilled.block_ids, first_block))

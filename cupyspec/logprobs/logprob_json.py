@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -29,6 +29,9 @@ import numpy as np
 from cupyspec.kernels import load_kernel
 from cupyspec.text.token_text import TokenText
 from cupyspec.transfer import to_device
+
+if TYPE_CHECKING:
+    from cupyspec.outputs import TokenLogprob
 
 MIN_LOGPROB = -9999.0  # a token the model rules out gets this floor, as vLLM reports it
 NUMBER_BYTES = 16  # the longest formatted logprob: -0.000123456789 or -1.23456789e-05
@@ -135,6 +138,15 @@ class LogprobRenderer:
         self.render_into(rendered.data.ptr, token_ids, logprobs, top_ids, top_lps, width, request_k, num_requests,
                          num_rows, cu)
         return rendered
+
+    def render_records(self, records: Sequence[TokenLogprob]) -> LogprobsJSON:
+        """The entries of tokens whose logprobs came as records (each with the same number of
+        alternatives), rendered on the host as `render` renders rows."""
+        n, k = len(records), len(records[0].top_ids) if records else 0
+        args = (np.array([r.token_id for r in records], np.int64), np.array([r.logprob for r in records], np.float32),
+                np.array([r.top_ids for r in records], np.int64).reshape(n, k),
+                np.array([r.top_logprobs for r in records], np.float32).reshape(n, k), k, np.full(n, k), n, n)
+        return self.entries(self.render(np, *args), n, [(0, n)], lambda: args)[0]
 
     def rendered_size(self, num_rows: int, width: int) -> int:
         """int64 elements of `render`'s output on a GPU."""
