@@ -1,7 +1,8 @@
 """Prefill and decode servers on loopback (engines on the CPU, K/V through NIXL). As processes of
-their own: completions through a decode server and two prefill servers equal one server's, with no
-speculation, ngram and MTP; 200 requests at 16 streams complete while a prefill server is killed.
-In the test process: a prefill server that is down is skipped for another, none at all is a 503.
+their own: completions and chat through a decode server and two prefill servers equal one server's,
+with no speculation, ngram and MTP; 200 requests at 16 streams complete while a prefill server is
+killed; both roles shut down gracefully on SIGTERM. In the test process: a prefill server that is
+down is skipped for another, none at all (or none with the decode server's MTP head) is a 503.
 Afterwards neither side holds a KV block."""
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ each prompt's K/V from the server that ran it, through NIXL.
 
 A prompt goes to the server with the fewest prompts in flight from here, ties taken in turn; a
 server that cannot be reached, fails or times out is skipped for the next one, and its pool is
-looked up again next time. The K/V READ's notification (the handoff id) tells the prefill server to release its blocks;
-where nothing is read (the first token ended the request, or the pool had no room) a bare
-notification does.
+looked up again next time. The K/V READ's notification (the handoff id) tells the prefill server
+to release its blocks; where nothing is read (the first token ended the request, or the pool had
+no room) a bare notification does.
 """
 
 from __future__ import annotations
