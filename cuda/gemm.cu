@@ -1,27 +1,21 @@
-// Matrix products out = x @ w.T on tensor cores; twin: linear in cupyspec/model/linear.py.
+// Matrix products out = x @ w.T on tensor cores with fp16 weights; twin: linear in
+// cupyspec/model/linear.py.
 //
 // out[m, n] = sum_k x[m, k] * w[n, k]: x [M, K] and w [N, K] (Hugging Face [out, in] layout) fp16,
 // row-major, contiguous, 16-byte aligned, K % 8 == 0; any M, N >= 1. Products are summed in fp32;
 // the epilogue stores them as fp16 (round to nearest, entry points *_f16) or as fp32 (*_f32), or adds
-// them, rounded to fp16, to an fp32 residual stream (*_add). The gemv kernels also fuse the decoder
-// steps around a product (twins in cupyspec/model/fused.py): x = RMSNorm(residual) computed in the
-// prologue, SwiGLU or RoPE with the KV-cache write in the epilogue (decoder.cuh: the same arithmetic
-// as the separate kernels, so fused and separate steps give the same bits).
+// them, rounded to fp16, to an fp32 residual stream (*_add).
 //
 // No split-K and no dependence on the batch: out[m, n] is a function of x[m, :] and w[n, :] alone,
 // whatever M is, so that rows padded into a larger batch (CUDA graphs of fixed sizes) come out
 // bit-identical. Within a family the order of the fp32 sums is fixed by K alone:
 //
-//   gemv_*     (M <= 8, decode): one block per 16 weight rows, streaming them once from memory with
-//              16-byte loads. Each warp takes every 12th 32-wide slice of K; a slice is two
-//              mma.m16n8k16 with the 16 weight rows as A and the <= 8 rows of x as B (their columns),
-//              whose k order is permuted alike in A and B (each lane loads 8 consecutive k). The
-//              12 warps' sums are added in warp order through shared memory.
+//   gemv_*     (M <= 8, decode): gemv.cuh, which also fuses the decoder steps around a product.
 //   gemm_tc_*  (M > 8): BM x BN tiles, a cp.async pipeline of STAGES BK-wide slices in padded
 //              shared rows, ldmatrix + mma.m16n8k16. Every tile shape runs the same ceil(K/16)
 //              k16 steps, k = 0, 16, 32, ... in order, into one accumulator per output.
 
-#include "decoder.cuh"
+#include "gemv.cuh"
 
 // ---------------------------------------------------------------- PTX wrappers
 
@@ -50,272 +44,10 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) 
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
 }
 
-// d += a (16x16, row-major) * b (16x8, column-major), fp16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
-// 16 bytes read once (weights): not kept in L1.
-__device__ __forceinline__ uint4 load_streaming(const half* pointer) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer));
-    return v;
-}
+// ---------------------------------------------------------------- gemv over fp16 weights
 
-// 16 bytes read by every block (activations): through the read-only cache.
-__device__ __forceinline__ uint4 load_cached(const half* pointer) {
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(pointer));
-    return v;
-}
-
-__device__ __forceinline__ float round_half(float v) { return __half2float(__float2half_rn(v)); }
-
-// ---------------------------------------------------------------- epilogues
-
-// Element-wise epilogues: one(m, n, v) for output (m, n), two(m, n, v0, v1) for (m, n) and (m, n + 1)
-// (n even, N even: an aligned pair).
-template <typename Out>
-struct Store {  // out[m, n] = v, as fp16 (rounded to nearest) or fp32
-    Out* out;  // [M, N]
-    int N;
-    __device__ __forceinline__ void one(int m, int n, float v) const {
-        if constexpr (sizeof(Out) == 2) {
-            out[(size_t)m * N + n] = __float2half_rn(v);
-        } else {
-            out[(size_t)m * N + n] = v;
-        }
-    }
-    __device__ __forceinline__ void two(int m, int n, float v0, float v1) const {
-        if constexpr (sizeof(Out) == 2) {
-            *reinterpret_cast<half2*>(out + (size_t)m * N + n) = __floats2half2_rn(v0, v1);
-        } else {
-            *reinterpret_cast<float2*>(out + (size_t)m * N + n) = float2{v0, v1};
-        }
-    }
-};
-
-struct AddToResidual {  // residual[m, n] += fp16(v), in fp32
-    float* residual;  // [M, N]
-    int N;
-    __device__ __forceinline__ void one(int m, int n, float v) const {
-        float* r = residual + (size_t)m * N + n;
-        *r = __fadd_rn(*r, round_half(v));
-    }
-    __device__ __forceinline__ void two(int m, int n, float v0, float v1) const {
-        float2* r = reinterpret_cast<float2*>(residual + (size_t)m * N + n);
-        const float2 old = *r;
-        *r = float2{__fadd_rn(old.x, round_half(v0)), __fadd_rn(old.y, round_half(v1))};
-    }
-};
-
-// A tile's outputs (m, n) and (m, n + 1): as an aligned pair when N is even and both are in range.
-template <typename E>
-__device__ __forceinline__ void adjacent(const E& e, int m, int n, float v0, float v1) {
-    if ((e.N & 1) == 0 && n + 1 < e.N) {
-        e.two(m, n, v0, v1);
-    } else {
-        if (n < e.N) e.one(m, n, v0);
-        if (n + 1 < e.N) e.one(m, n + 1, v1);
-    }
-}
-
-// gemv epilogues take a block's outputs in pairs: (m, n_lo) and (m, n_hi) of one x row (see gemv).
-template <typename E>
-struct Each {  // an element-wise epilogue on the outputs in range
-    E e;
-    __device__ __forceinline__ void operator()(int m, int n_lo, int n_hi, float lo, float hi) const {
-        if (n_lo < e.N) e.one(m, n_lo, lo);
-        if (n_hi < e.N) e.one(m, n_hi, hi);
-    }
-};
-
-struct SwiGLU {  // rows (j, F + j) of gate_up [2F, K]: out[m, j] = fp16(silu(gate) * up) of the fp16 products
-    half* out;  // [M, F]
-    int width;  // F
-    __device__ __forceinline__ void operator()(int m, int n_lo, int, float lo, float hi) const {
-        out[(size_t)m * width + n_lo] = __float2half_rn(silu_mul(round_half(lo), round_half(hi)));
-    }
-};
-
-struct Rope {  // rows (i, i + D/2) of a qkv head: fp16 products, plus the fp32 bias rounded again, roped
-    RopeCache rope;
-    const float* bias;  // [N] or nullptr
-    __device__ __forceinline__ float value(int n, float v) const {
-        return bias ? round_half(__fadd_rn(round_half(v), bias[n])) : round_half(v);
-    }
-    __device__ __forceinline__ void operator()(int m, int n_lo, int n_hi, float lo, float hi) const {
-        rope.store(m, n_lo / rope.head_dim, n_lo % rope.head_dim, value(n_lo, lo), value(n_hi, hi));
-    }
-};
-
-// ---------------------------------------------------------------- gemv: M <= 8
-
-#define GEMV_ROWS 16      // weight rows (outputs n) per block: the m16 of the mma
-#define GEMV_MAX_ROWS 8   // rows of x: the n8 of the mma
-#define GEMV_WARPS 12     // warps per block, splitting K: one round of loads for K <= 1536
-#define GEMV_UNROLL 4     // 32-wide K slices per warp with loads in flight
-
-static_assert(GEMV_WARPS >= GEMV_MAX_ROWS, "a warp per x row for the RMSNorm prologue");
-
-// x sources: prepare(M) once per block (all threads), then load(m, k): x[m, k..k+7] as 8 packed halves.
-struct HalfRows {  // x [M, K] fp16
-    const half* x;
-    int K;
-    __device__ __forceinline__ void prepare(int) const {}
-    __device__ __forceinline__ uint4 load(int m, int k) const { return load_cached(x + (size_t)m * K + k); }
-};
-
-__device__ __forceinline__ unsigned pack(half lo, half hi) {
-    return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
-}
-
-struct NormedRows {  // x = RMSNorm(residual) rows, fp16, as the rms_norm kernel computes them
-    const float* residual;  // [M, K] fp32
-    const float* weight;    // [K] fp32
-    float eps;
-    int K;
-    float* inv_rms;         // shared [GEMV_MAX_ROWS]
-    __device__ __forceinline__ void prepare(int M) const {  // warp m: row m's inverse RMS
-        const int warp = threadIdx.x >> 5;
-        if (warp < M) {
-            const float r = warp_inv_rms(residual + (size_t)warp * K, K, eps);
-            if ((threadIdx.x & 31) == 0) inv_rms[warp] = r;
-        }
-        __syncthreads();
-    }
-    __device__ __forceinline__ uint4 load(int m, int k) const {
-        const float4* r = reinterpret_cast<const float4*>(residual + (size_t)m * K + k);
-        const float4* g = reinterpret_cast<const float4*>(weight + k);
-        const float4 r0 = __ldg(r), r1 = __ldg(r + 1), g0 = __ldg(g), g1 = __ldg(g + 1);
-        const float s = inv_rms[m];
-        return uint4{pack(normed(r0.x, s, g0.x), normed(r0.y, s, g0.y)),
-                     pack(normed(r0.z, s, g0.z), normed(r0.w, s, g0.w)),
-                     pack(normed(r1.x, s, g1.x), normed(r1.y, s, g1.y)),
-                     pack(normed(r1.z, s, g1.z), normed(r1.w, s, g1.w))};
-    }
-};
-
-// Block b's 16 weight rows (the mma's m16): row g < 8 is weight row pair_row(b, g, span), row g + 8 is
-// that one + span / 2. span 16: 16 consecutive rows; span D (RoPE: dims i, i + D/2 of a head) or 2F
-// (SwiGLU: gate row j, up row F + j): a block holds both rows of each of its 8 output pairs.
-__device__ __forceinline__ int pair_row(int block, int g, int span) {
-    const int blocks_per_span = span / GEMV_ROWS;
-    return block / blocks_per_span * span + block % blocks_per_span * 8 + g;
-}
-
-// Grid: ceil(N / 16) blocks of GEMV_WARPS * 32 threads; span 16, or a multiple of 16 dividing N.
-template <typename Source, typename Epilogue>
-__device__ __forceinline__ void gemv(const Source& source, const half* __restrict__ w, int M, int N, int K, int span,
-                                     const Epilogue& epilogue)
-{
-    __shared__ float partial[GEMV_WARPS][4][32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = lane >> 2, quad = lane & 3;   // mma fragment row group and thread in group
-    const int lo_row = pair_row(blockIdx.x, group, span), hi_row = lo_row + span / 2;
-    const bool lo_ok = lo_row < N, hi_ok = hi_row < N, x_ok = group < M;
-    // This lane's 8 consecutive k of each slice: A rows group and group + 8 (weight rows lo_row and
-    // hi_row), B column group (x row group); rows out of range are never read (zero values).
-    const half* w_lo = w + (size_t)min(lo_row, N - 1) * K + 8 * quad;
-    const half* w_hi = w + (size_t)min(hi_row, N - 1) * K + 8 * quad;
-    const int slices = (K + 31) >> 5;
-
-    uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL];
-    auto load_weights = [&](int first) {
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int k = (first + u * GEMV_WARPS) * 32;
-            const bool k_ok = k + 8 * quad < K;
-            lo[u] = k_ok && lo_ok ? load_streaming(w_lo + k) : uint4{};
-            hi[u] = k_ok && hi_ok ? load_streaming(w_hi + k) : uint4{};
-        }
-    };
-    release_dependent_grid();
-    load_weights(warp);   // the first round of weights is in flight during the prologue, and with
-    wait_for_prior_grid();  // programmatic dependent launch while the kernel before still runs
-    source.prepare(M);
-
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int first = warp; first < slices; first += GEMV_WARPS * GEMV_UNROLL) {
-        if (first != warp) load_weights(first);
-        uint4 xv[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int k = (first + u * GEMV_WARPS) * 32 + 8 * quad;
-            xv[u] = k < K && x_ok ? source.load(group, k) : uint4{};
-        }
-        // A fragment {a0a1, a2a3, a4a5, a6a7} = rows (g, g+8, g, g+8) at logical k (2q, 2q, 2q+8, 2q+8),
-        // B fragment {b0b1, b2b3} = column g at logical k (2q, 2q+8): logical 2q, 2q+8 of the first
-        // mma are this lane's k 0-1, 2-3; of the second mma its k 4-5, 6-7 (the same for A and B).
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            mma_16816(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
-            mma_16816(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
-        }
-    }
-
-    // acc = D[g][2q], D[g][2q+1], D[g+8][2q], D[g+8][2q+1]: D[i][j] = out[m = j, n = row i of the block].
-    // Thread c * 32 + l sums x row m = 2 (l % 4) + c over the warps, for block rows l / 4 and l / 4 + 8.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][i][lane] = acc[i];
-    __syncthreads();
-    if (threadIdx.x < 2 * 32) {
-        const int c = threadIdx.x >> 5, l = threadIdx.x & 31;
-        float lo_sum = partial[0][c][l], hi_sum = partial[0][2 + c][l];
-#pragma unroll
-        for (int v = 1; v < GEMV_WARPS; ++v) {
-            lo_sum += partial[v][c][l];
-            hi_sum += partial[v][2 + c][l];
-        }
-        const int m = 2 * (l & 3) + c, n_lo = pair_row(blockIdx.x, l >> 2, span);
-        if (m < M) epilogue(m, n_lo, n_lo + span / 2, lo_sum, hi_sum);
-    }
-}
-
-#define GEMV_KERNEL extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-
-// Grids: ceil(N / 16) blocks of 384 threads; x, residual [M, K] with M <= 8.
-GEMV_KERNEL gemv_f16(const half* __restrict__ x, const half* __restrict__ w, half* __restrict__ out,
-                     int M, int N, int K)
-{
-    gemv(HalfRows{x, K}, w, M, N, K, GEMV_ROWS, Each<Store<half>>{{out, N}});
-}
-
-GEMV_KERNEL gemv_add(const half* __restrict__ x, const half* __restrict__ w, float* __restrict__ residual,
-                     int M, int N, int K)
-{
-    gemv(HalfRows{x, K}, w, M, N, K, GEMV_ROWS, Each<AddToResidual>{{residual, N}});
-}
-
-// out = swiglu(RMSNorm(residual) @ w.T): w [2F, K] gate rows first, F % 8 == 0; out [M, F].
-GEMV_KERNEL gemv_norm_swiglu(const float* __restrict__ residual, const float* __restrict__ norm_weight, float eps,
-                             const half* __restrict__ w, half* __restrict__ out, int M, int N, int K)
-{
-    __shared__ float inv_rms[GEMV_MAX_ROWS];
-    gemv(NormedRows{residual, norm_weight, eps, K, inv_rms}, w, M, N, K, N, SwiGLU{out, N / 2});
-}
-
-// RoPE and the KV-cache write of qkv = RMSNorm(residual) @ w.T (+ bias): w [(Hq + 2 Hkv) D, K],
-// D % 16 == 0; q_out [M, Hq, D]; cos, sin [P, D/2]; positions, slots [M].
-GEMV_KERNEL gemv_norm_rope(const float* __restrict__ residual, const float* __restrict__ norm_weight, float eps,
-                           const half* __restrict__ w, const float* __restrict__ bias, int has_bias,
-                           const float* __restrict__ cos, const float* __restrict__ sin,
-                           const int* __restrict__ positions, const int* __restrict__ slots,
-                           half* __restrict__ q_out, half* __restrict__ k_cache, half* __restrict__ v_cache,
-                           int M, int N, int K, int num_kv_heads, int head_dim)
-{
-    __shared__ float inv_rms[GEMV_MAX_ROWS];
-    const RopeCache rope{cos, sin, positions, slots, q_out, k_cache, v_cache,
-                         N / head_dim - 2 * num_kv_heads, num_kv_heads, head_dim};
-    gemv(NormedRows{residual, norm_weight, eps, K, inv_rms}, w, M, N, K, head_dim,
-         Rope{rope, has_bias ? bias : nullptr});
-}
+GEMV_ENTRY_POINTS(, HalfWeights)
 
 // ---------------------------------------------------------------- gemm_tc: tensor-core tiles
 

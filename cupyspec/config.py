@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cupyspec.model.quantized import check_method
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 
@@ -95,6 +96,9 @@ class EngineConfig:
     cpu_threads: int | None = None
     # ranks the model is split across: GPUs 0..N-1 (on the CPU, threads), cupyspec/parallel/
     tensor_parallel_size: int = 1
+    # weight-only quantization of the decoder's matrices, "wint8" or "wint4" (cupyspec/model/quantized.py);
+    # None: the backend's dtype. An MTP head follows it unless its speculative config names its own.
+    quantization: str | None = None
     # prefill/decode disaggregation (cupyspec/disagg/): "both" serves alone; "prefill" runs prompts for
     # decode servers; "decode" hands each prompt to one of `prefill_urls` and decodes it
     role: str = "both"
@@ -112,6 +116,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be an integer >= 1 or None, not {self.cpu_threads!r}")
         if self.warm_up not in (None, True, False):
             raise ValueError(f"warm_up must be true, false or None, not {self.warm_up!r}")
+        object.__setattr__(self, "quantization", check_method(self.quantization, "quantization"))
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, not {self.tensor_parallel_size!r}")
         if self.role not in ("both", "prefill", "decode"):

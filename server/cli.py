@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="decode role: the most a prefill server's answer, or the read of a prompt's K/V, may "
                         "take before the next server is tried or the prompt is computed here")
+    p.add_argument("--quantization", choices=("wint8", "wint4"), type=str.lower,
+                   help="weight-only quantization of the decoder's matrices, packed on the device: wint8 (8-bit, "
+                        "a scale per 32 weights) or wint4 (4-bit, a scale and minimum per 32); default: fp16")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -131,7 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         head_file(speculative, args.model)  # an MTP head is given or ships for the model
     return EngineConfig(
         model=args.model, device=args.device, served_model_name=args.served_model_name, seed=args.seed,
-        cpu_threads=args.cpu_threads, tensor_parallel_size=args.tensor_parallel_size,
+        cpu_threads=args.cpu_threads, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         role=args.role, prefill_urls=tuple(args.prefill_url), prefill_timeout_seconds=args.prefill_timeout,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -23,9 +23,10 @@ GOLDEN_PROMPTS: list[tuple[str, str]] = [
 ]
 
 
-async def generate_greedy(model_path: str, device: str, prompts: list[str]) -> list[str]:
+async def generate_greedy(model_path: str, device: str, prompts: list[str],
+                          quantization: str | None = None) -> list[str]:
     """Greedy chat answers to each prompt, run concurrently on one engine."""
-    engine = await AsyncEngine.create(EngineConfig(model=model_path, device=device))
+    engine = await AsyncEngine.create(EngineConfig(model=model_path, device=device, quantization=quantization))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
     async def answer(prompt: str) -> str:

@@ -109,8 +109,8 @@ SUFFIX: dict[str, Any] = {"method": "suffix"}
     ({**SUFFIX, "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be a number in [0, 1]"),
     ({**SUFFIX, "suffix_decoding_min_token_prob": False}, "suffix_decoding_min_token_prob must be a number in [0, 1]"),
     ('["ngram"]', "must be a JSON object"),
-    ({"method": "mtp", "num_speculative_tokens": 1, "model": "head", "quantization": "wint4"},
-     "quantization 'wint4' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "model": "head", "quantization": "int4"},
+     "quantization must be one of wint8, wint4, not 'int4'"),
     ({"method": "mtp", "num_speculative_tokens": 1, "num_model_steps": 2, "model": "head"},
      "num_speculative_tokens must be at least num_model_steps"),
 ])

@@ -37,10 +37,10 @@ def _segments(vocab_size: int) -> list[Segment]:
             Segment(rng.integers(0, vocab_size, 4).tolist(), 0, list(range(12, 24)))]
 
 
-def _run(config, weights, group=None):
+def _run(config, weights, group=None, quantization=None):
     """The model over the segments: logits [T, V] and the K/V arrays it wrote."""
     backend = select_backend("cpu")
-    model = LlamaModel(config, weights, backend, group)
+    model = LlamaModel(config, weights, backend, group, quantization)
     kv = KVCacheArrays(np, config, NUM_BLOCKS, BLOCK_SIZE, backend.dtype)
     batch = build_flat_batch(_segments(config.vocab_size), BLOCK_SIZE)
     return model.compute_logits(model.forward(DeviceBatch.of(np, batch), kv)), kv
@@ -58,11 +58,11 @@ def _sharded(config, weights, rank: int, size: int):
     return shard, shard_config(config, shard), shard_weights(weights, config, shard)
 
 
-def _run_ranks(loaded, size: int) -> list:
+def _run_ranks(loaded, size: int, quantization=None) -> list:
     """Each rank's (logits, K/V, shard)."""
     def work(r, group):
         shard, config, weights = _sharded(loaded.config, loaded.weights, r, size)
-        return *_run(config, weights, group), shard
+        return *_run(config, weights, group, quantization), shard
 
     return _in_ranks(size, work)
 
@@ -80,6 +80,17 @@ def test_sharded_ranks_summed_give_the_unsharded_logits_and_kv(tiny, size):
         np.testing.assert_allclose(kv.v, want_kv.v[..., heads, :], rtol=0, atol=1e-5)
         assert kv.k.shape[-2:] == (len(shard.kv_heads), d)
     assert np.abs(want_logits).max() > 0.1  # not degenerate
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+def test_quantized_shards_give_the_quantized_models_logits(tiny, method):
+    """Shards split the row-parallel matrices between groups of 32 inputs, so each rank packs its
+    slice of the whole model's packed weights; a split inside a group is refused."""
+    want, _ = _run(tiny.config, tiny.weights, quantization=method)
+    for logits, _, _ in _run_ranks(tiny, 2, method):
+        np.testing.assert_allclose(logits, want, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _run_ranks(tiny, 4, method)  # o: 16 inputs a rank
 
 
 def test_the_shards_cover_every_head_column_and_token_once(tiny):

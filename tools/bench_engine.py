@@ -51,7 +51,7 @@ async def run_batch(engine: AsyncEngine, batch: int, prompt_len: int, gen_len: i
 async def main(args: argparse.Namespace) -> None:
     speculative = SpeculativeConfig.from_json(args.speculative_config)
     config = EngineConfig(model=args.model, device=args.device, cuda_graphs=not args.enforce_eager,
-                          tensor_parallel_size=args.tensor_parallel_size,
+                          tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                           overlap_scheduling=not args.no_overlap_scheduling, speculative=speculative,
                           scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes),
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
@@ -75,6 +75,7 @@ if __name__ == "__main__":
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--speculative-config", default=None, help="JSON, as cupyspec-serve takes it")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across")
+    p.add_argument("--quantization", choices=("wint8", "wint4"), help="weight-only, as cupyspec-serve takes it")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-overlap-scheduling", action="store_true")
     asyncio.run(main(p.parse_args()))

@@ -76,6 +76,37 @@ def bench_linear() -> Iterator[Case]:
                        2 * m * n * k, lambda x=x, weights=weights, d=out_dtype: linear(cupy, x, next(weights), d))
 
 
+def bench_packed() -> Iterator[Case]:
+    """x @ w.T with weight-only quantization (cupyspec.model.quantized) against fp16, on matrices of an
+    8B llama (down [4096, 14336], gate_up [28672, 4096]), where reading the weights bounds a decode
+    step; the bytes are the weights in each format. Each format's copies fill the L2 cache twice."""
+    import dataclasses
+    import itertools
+
+    import cupy
+    import numpy as np
+
+    from cupyspec.model.linear import linear
+    from cupyspec.model.quantized import quantize
+
+    l2_bytes = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["l2CacheSize"]
+    for name, n, k in (("down", 4096, 14336), ("gate_up", 28672, 4096)):
+        host = (np.random.default_rng(n).standard_normal((n, k), dtype=np.float32) * k ** -0.5)  # [N, K]
+        for method in (None, "wint8", "wint4"):
+            packed = None if method is None else quantize(np, host, method, np.float16)
+            one = cupy.asarray(host, dtype=np.float16) if packed is None else dataclasses.replace(
+                packed, values=cupy.asarray(packed.values), scales=cupy.asarray(packed.scales))
+            copies = [one]
+            while len(copies) * one.nbytes < 2 * l2_bytes:
+                copies.append(one.copy() if packed is None else dataclasses.replace(
+                    one, values=one.values.copy(), scales=one.scales.copy()))
+            for m in (1, 8, 64):
+                x = cupy.asarray(np.random.default_rng(m).standard_normal((m, k)), dtype=np.float16)  # [M, K]
+                weights = itertools.cycle(copies)
+                yield Case(f"{name} {method or 'fp16'} M={m} N={n} K={k}", one.nbytes + 2 * m * (n + k), 2 * m * n * k,
+                           lambda x=x, weights=weights: linear(cupy, x, next(weights)))
+
+
 def bench_attention() -> Iterator[Case]:
     """Paged attention (cuda/paged_attention.cu) with SmolLM2-135M's heads: 9 query, 3 KV, dim 64.
 
@@ -138,6 +169,7 @@ BENCHES: dict[str, Callable[[], Iterator[Case]]] = {
     "attention": bench_attention,
     "linear": bench_linear,
     "logprobs": bench_logprobs,
+    "packed": bench_packed,
 }
 
 

@@ -182,13 +182,14 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
 
 
 async def main(args: argparse.Namespace) -> None:
-    engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cuda",
+    engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cuda", quantization=args.quantization,
                                                    cache=CacheConfig(kv_cache_memory_bytes=args.kv_cache_memory),
                                                    speculative=SpeculativeConfig.from_json(args.speculative_config)))
     try:
         for query_len in args.query_len:
             for batch in args.batch_sizes:
-                print(json.dumps(profile(engine, batch, query_len, args.context, args.repeats, args.kernels)), flush=True)
+                result = profile(engine, batch, query_len, args.context, args.repeats, args.kernels)
+                print(json.dumps(result), flush=True)
     finally:
         await engine.shutdown()
 
@@ -202,5 +203,6 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--kernels", action="store_true", help="also time each kernel of one layer, from CUDA graphs")
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes")
+    p.add_argument("--quantization", choices=("wint8", "wint4"), help="weight-only, as cupyspec-serve takes it")
     p.add_argument("--speculative-config", default=None, help="JSON, as cupyspec-serve takes it (an MTP head: timed)")
     asyncio.run(main(p.parse_args()))

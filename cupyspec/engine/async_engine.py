@@ -98,8 +98,10 @@ class AsyncEngine(HandoffRoles):
                                 if config.role == "decode" else None)
         self._release_task: asyncio.Task | None = None  # prefill role: releases the prompts decode servers read
         self._loop_task: asyncio.Task | None = None
-        log.info("engine ready: %s on %s%s, %d KV blocks of %d tokens, max_model_len %d", self.model_name,
-                 backend.device, f" x{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
+        log.info("engine ready: %s on %s%s, weights %.3f GiB%s, %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_name, backend.device,
+                 f" x{config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "",
+                 self.runner.model.weight_bytes / 2**30, f" ({config.quantization})" if config.quantization else "",
                  num_blocks, block_size, self.max_model_len)
 
     @classmethod

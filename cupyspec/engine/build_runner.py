@@ -40,7 +40,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, backend: Backend, mt
             model_config = shard_config(loaded.config, shards[rank])
             weights = shard_weights(loaded.weights, loaded.config, shards[rank])
             head_weights = None if head is None else shard_weights(head, loaded.config, shards[rank])
-        model = LlamaModel(model_config, weights, backend, group)
+        model = LlamaModel(model_config, weights, backend, group, config.quantization)
         drafting = make_mtp_drafting(config.speculative, model, mtp, max_model_len, head_weights)
         per_block = KVCacheArrays.bytes_per_block(model_config, block_size, backend.dtype, extra_layers)
         return model, drafting, kv_cache_blocks(config.cache, backend, per_block)

@@ -6,7 +6,8 @@ make a small model fast on a GPU. Up to GEMV_MAX_ROWS rows a decoder layer is fi
 gemv of norm_qkv_rope, attention, the o product adding into the residual (linear.add_linear), the
 gemv of norm_gate_up_swiglu, and the down product adding into the residual. With more rows the
 norm, the product and the epilogue of a norm_* step are kernels of their own. Both do the same
-arithmetic (cuda/decoder.cuh), so a fused step gives the bits of its separate kernels.
+arithmetic (cuda/decoder.cuh), so a fused step gives the bits of its separate kernels. Matrices are
+fp16 or packed (QuantizedWeight, dequantized to fp16 where a step runs its separate kernels).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 from cupyspec.model import ops
-from cupyspec.model.linear import gemv_takes, launch_gemv, linear
+from cupyspec.model.linear import gemv_takes, launch_gemv, linear, weight_args
 
 THREADS = 256
 NORM_WARPS = 4  # rows per block: WARPS in cuda/rms_norm.cu
@@ -98,7 +99,7 @@ def norm_qkv_rope(xp: Any, residual: Any, norm_weight: Any, eps: float, w: Any, 
     if num_tokens:
         residual = xp.ascontiguousarray(residual, dtype=np.float32)
         launch_gemv("gemv_norm_rope", w, (
-            residual, norm_weight, np.float32(eps), w, norm_weight if bias is None else bias,
+            residual, norm_weight, np.float32(eps), *weight_args(xp, w), norm_weight if bias is None else bias,
             np.int32(bias is not None), cos, sin, xp.asarray(positions, dtype=np.int32),
             xp.asarray(slots, dtype=np.int32), q, k_cache, v_cache, np.int32(num_tokens), np.int32(num_rows),
             np.int32(hidden), np.int32(num_kv_heads), np.int32(head_dim)))
@@ -115,6 +116,6 @@ def norm_gate_up_swiglu(xp: Any, residual: Any, norm_weight: Any, eps: float, w:
     out = xp.empty((num_tokens, num_rows // 2), dtype=np.float16)
     if num_tokens:
         residual = xp.ascontiguousarray(residual, dtype=np.float32)
-        launch_gemv("gemv_norm_swiglu", w, (residual, norm_weight, np.float32(eps), w, out, np.int32(num_tokens),
-                                            np.int32(num_rows), np.int32(hidden)))
+        launch_gemv("gemv_norm_swiglu", w, (residual, norm_weight, np.float32(eps), *weight_args(xp, w), out,
+                                            np.int32(num_tokens), np.int32(num_rows), np.int32(hidden)))
     return out

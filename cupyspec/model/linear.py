@@ -8,7 +8,8 @@ in or the tile shape picked for it, so batches padded to fixed sizes give bit-id
 Products with fp32 output (the logits) always take the tiles, so a row's logits are the same
 whether they come with every row of a step or with the few rows that sample. Products into the
 residual stream (`add_linear`) add in the kernels' epilogue; cupyspec/model/fused.py runs the gemv
-kernels that fuse RMSNorm, SwiGLU and RoPE around a product.
+kernels that fuse RMSNorm, SwiGLU and RoPE around a product. Packed weights (QuantizedWeight) stay
+packed in the gemv (cuda/gemv_packed.cu); products of more rows dequantize them first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from cupyspec.kernels import load_kernel, sm_count
+from cupyspec.model.quantized import QuantizedWeight, dequantize
 
 GEMV_MAX_ROWS = 8  # rows up to which the gemv kernel runs
 KERNEL_MAX_ROWS = 512  # above this, cuBLAS (x @ w.T) runs instead (faster for prefill; not capturable)
@@ -64,9 +66,9 @@ def _pick_tile(m: int, n: int, sm_count: int) -> _Tile:
 
 
 @functools.cache
-def _kernel(function: str, shared_bytes: int, device: int) -> Any:
-    """The kernel `function` of cuda/gemm.cu, allowed `shared_bytes` of dynamic shared memory on `device`."""
-    kernel = load_kernel("gemm", function)
+def _kernel(function: str, shared_bytes: int, device: int, source: str = "gemm") -> Any:
+    """The kernel `function` of cuda/<source>.cu, allowed `shared_bytes` of dynamic shared memory on `device`."""
+    kernel = load_kernel(source, function)
     if shared_bytes > STATIC_SHARED_LIMIT:
         kernel.max_dynamic_shared_size_bytes = shared_bytes  # set for the current device, once
     return kernel
@@ -84,6 +86,14 @@ def _kernels_take(xp: Any, x: Any, w: Any) -> bool:
             and x.shape[0] <= KERNEL_MAX_ROWS)
 
 
+def _unpacked(xp: Any, x: Any, w: Any, epilogue: str) -> Any:
+    """w as the product of x [M, K] reads it: packed where the gemv takes it, else dequantized."""
+    if isinstance(w, QuantizedWeight) and not (gemv_takes(xp, x.shape[0], w) and x.dtype == np.float16
+                                               and epilogue != "f32"):
+        return dequantize(xp, w)
+    return w
+
+
 def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
     """x [M, K] @ w[N, K].T into target [M, N] on cuda/gemm.cu: stored as fp16 ("f16") or fp32 ("f32"),
     or added to it in fp32 after rounding to fp16 ("add"); the gemv up to GEMV_MAX_ROWS rows (never
@@ -94,15 +104,15 @@ def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
         return
     if target.data.ptr % (2 * target.dtype.itemsize):  # the tiles store pairs of columns
         raise ValueError("the output must start at an even element")
-    x, w = _aligned(xp, x), _aligned(xp, w)
-    device = x.device.id
-    args = (x, w, target, np.int32(m), np.int32(n), np.int32(k))
+    x = _aligned(xp, x)
     if m <= GEMV_MAX_ROWS and epilogue != "f32":
-        _kernel(f"gemv_{epilogue}", 0, device)((-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
+        launch_gemv(f"gemv_{epilogue}", w, (x, *weight_args(xp, w), target, np.int32(m), np.int32(n), np.int32(k)))
     else:
-        tile = _pick_tile(m, n, sm_count(device))
-        _kernel(f"{tile.function}_{epilogue}", tile.shared_bytes, device)(
-            (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), args, shared_mem=tile.shared_bytes)
+        w = _aligned(xp, w)
+        tile = _pick_tile(m, n, sm_count(x.device.id))
+        _kernel(f"{tile.function}_{epilogue}", tile.shared_bytes, x.device.id)(
+            (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), (x, w, target, np.int32(m), np.int32(n),
+                                                                        np.int32(k)), shared_mem=tile.shared_bytes)
 
 
 def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = None) -> Any:
@@ -114,6 +124,7 @@ def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = Non
     """
     out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
     m, n = x.shape[0], w.shape[0]
+    w = _unpacked(xp, x, w, "f16" if out_dtype == np.float16 else "f32")
     if out is not None and (out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous [{m}, {n}] {out_dtype} array, not {out.shape} {out.dtype}")
     if not (_kernels_take(xp, x, w) and out_dtype in (np.float16, np.float32)):
@@ -135,6 +146,7 @@ def add_linear(xp: Any, residual: Any, x: Any, w: Any) -> None:
     """
     if residual.shape != (x.shape[0], w.shape[0]) or residual.dtype != np.float32 or not residual.flags.c_contiguous:
         raise ValueError(f"residual must be a C-contiguous [{x.shape[0]}, {w.shape[0]}] float32 array")
+    w = _unpacked(xp, x, w, "add")
     if _kernels_take(xp, x, w):
         _product(xp, x, w, residual, "add")
     else:
@@ -142,11 +154,28 @@ def add_linear(xp: Any, residual: Any, x: Any, w: Any) -> None:
 
 
 def gemv_takes(xp: Any, rows: int, w: Any) -> bool:
-    """Whether the gemv kernels of cuda/gemm.cu run products of `rows` rows with w [N, K]: CuPy fp16,
-    K % 8 == 0, rows <= GEMV_MAX_ROWS (the fused ones of cupyspec/model/fused.py among them)."""
-    return xp is not np and w.dtype == np.float16 and w.shape[1] % 8 == 0 and rows <= GEMV_MAX_ROWS
+    """Whether the gemv kernels run products of `rows` rows with w [N, K]: CuPy, rows <= GEMV_MAX_ROWS,
+    fp16 weights with K % 8 == 0 or packed ones (the fused kernels of cupyspec/model/fused.py too)."""
+    if xp is np or rows > GEMV_MAX_ROWS:
+        return False
+    if isinstance(w, QuantizedWeight):
+        return w.dtype == np.float16
+    return w.dtype == np.float16 and w.shape[1] % 8 == 0
+
+
+def weight_args(xp: Any, w: Any) -> tuple[Any, Any]:
+    """The gemv kernels' (w, scales) arguments: a packed matrix's two arrays, or an fp16 matrix twice
+    (its kernels leave the scales unread)."""
+    if isinstance(w, QuantizedWeight):
+        return w.values, w.scales
+    w = _aligned(xp, w)
+    return w, w
 
 
 def launch_gemv(function: str, w: Any, args: tuple) -> None:
-    """The gemv kernel `function` of cuda/gemm.cu over the rows of w [N, K]: ceil(N / 16) blocks."""
-    _kernel(function, 0, w.device.id)((-(-w.shape[0] // GEMV_ROWS),), (GEMV_THREADS,), args)
+    """The gemv kernel `function` over the rows of w [N, K], fp16 (cuda/gemm.cu) or packed
+    (cuda/gemv_packed.cu, `function`_wint8 or _wint4): ceil(N / 16) blocks; args as weight_args gives w."""
+    packed = isinstance(w, QuantizedWeight)
+    device = (w.values if packed else w).device.id
+    kernel = _kernel(f"{function}_{w.method}", 0, device, "gemv_packed") if packed else _kernel(function, 0, device)
+    kernel((-(-w.shape[0] // GEMV_ROWS),), (GEMV_THREADS,), args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -16,13 +16,15 @@ from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import add_linear, linear
 from cupyspec.model.ops import rope_tables
+from cupyspec.model.quantized import quantize
 from cupyspec.parallel.groups import Group
 from cupyspec.parallel.sharding import vocab_slice
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer; matrices in the [out, in] layout of HF checkpoints (products are x @ w.T)."""
+    """One decoder layer; matrices in the [out, in] layout of HF checkpoints (products are x @ w.T),
+    in the backend's dtype or packed (QuantizedWeight)."""
 
     input_norm: Any  # [H] fp32
     qkv: Any  # [(Hq + 2 Hkv) D, H]
@@ -33,49 +35,71 @@ class LayerWeights:
     down: Any  # [H, F]
 
 
-def matrix(xp: Any, dtype: Any, weights: dict[str, np.ndarray], *names: str) -> Any:
-    """HF [out, in] matrices, concatenated on out, on the device in `dtype`."""
-    return xp.asarray(np.concatenate([weights[n] for n in names], axis=0), dtype=dtype)
+def matrix(xp: Any, dtype: Any, weights: dict[str, np.ndarray], *names: str, quantization: str | None = None) -> Any:
+    """HF [out, in] matrices, concatenated on out, on the device in `dtype`, or packed by `quantization`
+    (wint8, wint4) to dequantize to it."""
+    w = np.concatenate([weights[n] for n in names], axis=0)
+    if quantization is not None:
+        return quantize(xp, w, quantization, dtype)
+    return xp.asarray(w, dtype=dtype)
 
 
-def layer_weights(weights: dict[str, np.ndarray], prefix: str, config: ModelConfig, backend: Backend) -> LayerWeights:
-    """The decoder layer whose HF tensor names start with `prefix` (e.g. "model.layers.3.")."""
+def layer_weights(weights: dict[str, np.ndarray], prefix: str, config: ModelConfig, backend: Backend,
+                  quantization: str | None = None) -> LayerWeights:
+    """The decoder layer whose HF tensor names start with `prefix` (e.g. "model.layers.3."), its
+    matrices packed by `quantization` (None: the backend's dtype)."""
     xp, dt = backend.xp, backend.dtype
     attn = [f"{prefix}self_attn.{n}_proj" for n in ("q", "k", "v")]
     bias = None
     if config.attention_bias:
         bias = xp.asarray(np.concatenate([weights[f"{a}.bias"] for a in attn]), dtype=np.float32)
+
+    def product(*names: str) -> Any:
+        return matrix(xp, dt, weights, *names, quantization=quantization)
+
     return LayerWeights(
         input_norm=xp.asarray(weights[f"{prefix}input_layernorm.weight"], dtype=np.float32),
-        qkv=matrix(xp, dt, weights, *(f"{a}.weight" for a in attn)),
+        qkv=product(*(f"{a}.weight" for a in attn)),
         qkv_bias=bias,
-        o=matrix(xp, dt, weights, f"{prefix}self_attn.o_proj.weight"),
+        o=product(f"{prefix}self_attn.o_proj.weight"),
         post_norm=xp.asarray(weights[f"{prefix}post_attention_layernorm.weight"], dtype=np.float32),
-        gate_up=matrix(xp, dt, weights, f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"),
-        down=matrix(xp, dt, weights, f"{prefix}mlp.down_proj.weight"),
+        gate_up=product(f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"),
+        down=product(f"{prefix}mlp.down_proj.weight"),
     )
 
 
 class LlamaModel:
     """Weights on the backend's device, and the forward pass. With a tensor-parallel group the config
     and weights are one rank's (cupyspec/parallel/sharding.py), and the rank sums its row-parallel
-    products and its embedding with the others', and gathers their logits."""
+    products and its embedding with the others', and gathers their logits. `quantization` (wint8,
+    wint4) packs the decoder layers' matrices; the embedding and the LM head stay in the backend's
+    dtype."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend,
-                 group: Group | None = None) -> None:
+                 group: Group | None = None, quantization: str | None = None) -> None:
         xp, dt = backend.xp, backend.dtype
-        self.config, self.backend, self.group = config, backend, group
+        self.config, self.backend, self.group, self.quantization = config, backend, group, quantization
         # the token id of the embedding's and LM head's row 0 (a rank's vocabulary slice), and the
         # sizes of the ranks' slices
         self.vocab_first = None if group is None else vocab_slice(config.vocab_size, group.rank, group.size).start
         self.vocab_widths = None if group is None else \
             tuple(len(vocab_slice(config.vocab_size, r, group.size)) for r in range(group.size))
-        self.layers = [layer_weights(weights, f"model.layers.{i}.", config, backend) for i in range(config.num_layers)]
+        self.layers = [layer_weights(weights, f"model.layers.{i}.", config, backend, quantization)
+                       for i in range(config.num_layers)]
         self.embed = xp.asarray(weights["model.embed_tokens.weight"], dtype=dt)  # [V, H]
         self.lm_head = self.embed if config.tie_word_embeddings else matrix(xp, dt, weights, "lm_head.weight")  # [V, H]
         self.final_norm = xp.asarray(weights["model.norm.weight"], dtype=np.float32)  # [H]
         self.rope_cos, self.rope_sin = rope_tables(xp, config.head_dim, config.rope_theta,
                                                    config.max_position_embeddings)  # [P, D/2] each
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights on the device (a tied LM head counted once)."""
+        arrays = [self.embed, self.final_norm,
+                  *(getattr(layer, field.name) for layer in self.layers for field in fields(layer))]
+        if self.lm_head is not self.embed:
+            arrays.append(self.lm_head)
+        return sum(a.nbytes for a in arrays if a is not None)
 
     def forward(self, batch: DeviceBatch, kv: KVCacheArrays) -> Any:
         """Run every layer over the batch, writing its K/V; returns final-normed hidden [T, H].

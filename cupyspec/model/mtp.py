@@ -42,7 +42,7 @@ from cupyspec.model.batch import DeviceBatch
 from cupyspec.model.fused import rms_norm
 from cupyspec.model.kv_arrays import KVCacheArrays
 from cupyspec.model.linear import add_linear, linear
-from cupyspec.model.llama import LlamaModel, layer_weights
+from cupyspec.model.llama import LlamaModel, layer_weights, matrix
 
 FORMAT = "cupyspec-mtp-v1"
 INPUT_WARPS = 4  # rows per block: WARPS in cuda/mtp_input.cu
@@ -108,16 +108,17 @@ def _checked_draft_vocab(path: Path, vocab: np.ndarray, vocab_size: int) -> np.n
 class MTPHead:
     """The head's weights on the target's device, and its step; its K/V is the pool's layer
     `kv_layer` (KVCacheArrays made with one extra layer), addressed by the target's block tables.
-    With a draft vocabulary the LM head's rows for it are gathered once, a [Vd, H] copy."""
+    With a draft vocabulary the LM head's rows for it are gathered once, a [Vd, H] copy. `quantization`
+    (wint8, wint4) packs eh_proj and the layer's matrices."""
 
-    def __init__(self, target: LlamaModel, weights: dict[str, np.ndarray]) -> None:
+    def __init__(self, target: LlamaModel, weights: dict[str, np.ndarray], quantization: str | None = None) -> None:
         backend, config = target.backend, target.config
         xp = backend.xp
         self.target = target
         self.enorm = xp.asarray(weights["mtp.enorm.weight"], dtype=np.float32)  # [H]
         self.hnorm = xp.asarray(weights["mtp.hnorm.weight"], dtype=np.float32)  # [H]
-        self.eh_proj = xp.asarray(weights["mtp.eh_proj.weight"], dtype=backend.dtype)  # [H, 2H]
-        self.layer = layer_weights(weights, LAYER_PREFIX, config, backend)
+        self.eh_proj = matrix(xp, backend.dtype, weights, "mtp.eh_proj.weight", quantization=quantization)  # [H, 2H]
+        self.layer = layer_weights(weights, LAYER_PREFIX, config, backend, quantization)
         self.kv_layer = config.num_layers
         vocab = weights.get(DRAFT_VOCAB)
         self.draft_vocab = None if vocab is None else xp.asarray(vocab)  # [Vd] int64, or None: every token

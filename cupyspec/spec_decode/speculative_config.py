@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cupyspec.errors import InvalidRequestError
+from cupyspec.model.quantized import check_method
 
 METHODS = ("naive", "ngram", "suffix", "mtp")
 VERIFY_STRATEGIES = ("rejection", "greedy", "target_match", "topp")
@@ -32,7 +33,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     num_model_steps: int = 1
     model: str | None = None  # MTP weights; None: the head shipped for the served model
-    quantization: str | None = None
+    quantization: str | None = None  # the MTP head's: wint8 or wint4; None: the target's
     verify_strategy: str = "rejection"
     accept_policy: str = "normal"
     mtp_strategy: str = "default"
@@ -61,8 +62,7 @@ class SpeculativeConfig:
              f"num_model_steps must be a positive integer, not {self.num_model_steps!r}")
         need(self.method != "mtp" or self.num_speculative_tokens >= self.num_model_steps,
              "num_speculative_tokens must be at least num_model_steps")
-        need(self.quantization is None,
-             f"quantization {self.quantization!r} is not supported: the MTP head runs in the target's precision")
+        object.__setattr__(self, "quantization", check_method(self.quantization, "speculative config: quantization"))
         need(self.verify_strategy in VERIFY_STRATEGIES,
              f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}, not {self.verify_strategy!r}")
         need(self.accept_policy in ACCEPT_POLICIES,

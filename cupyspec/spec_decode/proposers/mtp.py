@@ -288,8 +288,9 @@ def mtp_head_weights(config: SpeculativeConfig, target: ModelConfig, served_mode
 def make_mtp_drafting(config: SpeculativeConfig, target: LlamaModel, mtp: MTPProposer | None,
                       max_model_len: int, weights: dict[str, np.ndarray] | None) -> MTPDrafting | None:
     """The head's drafting for the proposer `mtp` (factory.mtp_proposer) over `target`, from the
-    head's weights (`mtp_head_weights`, or a rank's shard of them); None when the config speculates
-    otherwise."""
+    head's weights (`mtp_head_weights`, or a rank's shard of them), packed by the config's
+    quantization or else the target's; None when the config speculates otherwise."""
     if mtp is None:
         return None
-    return MTPDrafting(MTPHead(target, weights), config.num_model_steps, mtp, max_model_len)
+    head = MTPHead(target, weights, config.quantization or target.quantization)
+    return MTPDrafting(head, config.num_model_steps, mtp, max_model_len)

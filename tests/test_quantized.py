@@ -1,0 +1,278 @@
+"""Weight-only quantization: packing and its twin, GGUF blocks recovered exactly, products over packed
+weights, the configuration; on a GPU the packed kernels against fp16 kernels over the dequantized
+weights (bit for bit), and the quantized model against the fp16 one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from golden import GOLDEN_PROMPTS, MAX_TOKENS, generate_greedy
+
+from cupyspec.config import EngineConfig
+from cupyspec.model.linear import add_linear, linear
+from cupyspec.model.quantized import GROUP, QuantizedWeight, dequantize, quantize
+from cupyspec.spec_decode.speculative_config import SpeculativeConfig
+
+gpu = pytest.mark.gpu
+
+
+def _weights(rows: int, depth: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, depth)) * depth ** -0.5).astype(np.float32)
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+def test_dequantized_weights_lie_within_half_a_step_of_the_weights(method: str) -> None:
+    w = _weights(37, 4 * GROUP, seed=1)
+    w[3, :GROUP] = 0.25  # a constant group: its scale is 0
+    packed = quantize(np, w, method, np.float32)
+    assert packed.shape == w.shape and packed.dtype == np.float32
+    back = dequantize(np, packed)
+    scale = packed.scales if method == "wint8" else packed.scales[..., 0]  # [N, K/G]
+    step = np.repeat(scale.astype(np.float32), GROUP, axis=1)
+    # half a step of q, and the fp16 roundings of the minimum (wint4) and of the result
+    bound = 0.5 * step + 2 * np.abs(w) * 2.0 ** -11 + (0 if method == "wint8" else 2.0 ** -11 * np.abs(w).max())
+    assert np.all(np.abs(back - w) <= bound)
+    assert np.all(back[3, :GROUP] == np.float32(np.float16(0.25)))
+
+
+def test_wint4_packs_two_weights_a_byte_the_lower_k_in_the_low_nibble() -> None:
+    w = np.tile(np.arange(GROUP, dtype=np.float32) % 16, (2, 1))  # q = k % 16: s = 1, m = 0 (min 0, max 15)
+    packed = quantize(np, w, "wint4", np.float32)
+    assert packed.values.dtype == np.uint8 and packed.values.shape == (2, GROUP // 2)
+    assert packed.values[0, 0] == 0x10 and packed.values[0, 7] == 0xfe  # q 0, 1 and 14, 15
+    np.testing.assert_array_equal(packed.scales[0, 0], np.array([1.0, 0.0], np.float16))
+    np.testing.assert_array_equal(dequantize(np, packed), w)
+
+
+@pytest.mark.parametrize("gguf_type,method", [(GGMLQuantizationType.Q8_0, "wint8"),
+                                              (GGMLQuantizationType.Q4_1, "wint4")])
+def test_gguf_blocks_come_back_exactly(gguf_type: GGMLQuantizationType, method: str) -> None:
+    """Q8_0 and Q4_1 weights as a GGUF file loads them (float32) pack into the same fp16 weights that
+    the fp16 path puts on the GPU."""
+    loaded = gguf_dequantize(gguf_quantize(_weights(64, 8 * GROUP, seed=2), gguf_type), gguf_type).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(np, quantize(np, loaded, method, np.float16)), loaded.astype(np.float16))
+
+
+def test_rows_must_be_whole_groups() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(np, np.zeros((4, 48), np.float32), "wint8", np.float32)
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+def test_products_with_packed_weights_are_products_with_the_dequantized_weights(method: str) -> None:
+    rng = np.random.default_rng(3)
+    packed = quantize(np, _weights(40, 2 * GROUP, seed=4), method, np.float32)
+    w = dequantize(np, packed)
+    x = rng.standard_normal((5, 2 * GROUP)).astype(np.float32)
+    np.testing.assert_array_equal(linear(np, x, packed), x @ w.T)
+    residual = rng.standard_normal((5, 40)).astype(np.float32)
+    want = residual + x @ w.T
+    add_linear(np, residual, x, packed)
+    np.testing.assert_array_equal(residual, want)
+
+
+def test_quantization_settings_are_checked_and_normalized() -> None:
+    assert EngineConfig(quantization="WINT4").quantization == "wint4"
+    assert SpeculativeConfig(method="mtp", num_speculative_tokens=1, quantization="Wint8").quantization == "wint8"
+    with pytest.raises(ValueError, match="quantization must be one of wint8, wint4"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="speculative config: quantization"):
+        SpeculativeConfig(quantization="fp8")
+
+
+def test_wint4_default_model_gives_the_golden_greedy_outputs_on_the_cpu(default_model_path) -> None:
+    """The default GGUF's matrices are Q4_1, which wint4 holds as they are (rounded to fp16 here)."""
+    outputs = asyncio.run(generate_greedy(default_model_path, "cpu", [p for p, _ in GOLDEN_PROMPTS], "wint4"))
+    assert outputs == [expected for _, expected in GOLDEN_PROMPTS]
+
+
+@pytest.mark.slow
+def test_mtp_with_a_packed_head_keeps_the_quantized_models_greedy_outputs() -> None:
+    """wint4 (the golden answers, above) drafting with the shipped head in wint8."""
+    from cupyspec.engine import AsyncEngine
+    from cupyspec.loader import DEFAULT_MODEL
+    from cupyspec.sampling.params import SamplingParams
+
+    speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=3, num_model_steps=3, quantization="wint8",
+                                    cost_aware_backoff=False)
+
+    async def main() -> list[tuple[str, int]]:
+        engine = await AsyncEngine.create(EngineConfig(model=DEFAULT_MODEL, device="cpu", quantization="wint4",
+                                                       speculative=speculative))
+
+        async def answer(prompt: str) -> tuple[str, int]:
+            text, accepted = "", 0
+            async for out in engine.chat([{"role": "user", "content": prompt}],
+                                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)):
+                text += "".join(d.text for d in out.deltas)
+                accepted = out.speculate_metrics.num_accepted_tokens if out.speculate_metrics else accepted
+            return text, accepted
+
+        try:
+            return list(await asyncio.gather(*(answer(p) for p, _ in GOLDEN_PROMPTS)))
+        finally:
+            await engine.shutdown()
+
+    answers = asyncio.run(main())
+    assert [text for text, _ in answers] == [expected for _, expected in GOLDEN_PROMPTS]
+    assert sum(accepted for _, accepted in answers) > 0
+
+
+def test_quantized_logits_stay_near_the_models(default_model_path) -> None:
+    """Logits of a 40-token prompt: wint4 within the fp16 rounding of the Q4_1 weights, wint8 (which
+    requantizes them) a few tenths off on average."""
+    from cupyspec.backend import select_backend
+    from cupyspec.loader import load_model
+    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
+    from cupyspec.model.kv_arrays import KVCacheArrays
+    from cupyspec.model.llama import LlamaModel
+
+    loaded = load_model(default_model_path)
+    backend = select_backend("cpu")
+    flat = build_flat_batch([Segment(np.random.default_rng(0).integers(0, 1000, 40).tolist(), 0, [0, 1, 2])], 16)
+    logits = {}
+    for method in (None, "wint4", "wint8"):
+        model = LlamaModel(loaded.config, loaded.weights, backend, quantization=method)
+        kv = KVCacheArrays(np, loaded.config, 4, 16, backend.dtype)
+        logits[method] = model.compute_logits(model.forward(DeviceBatch.of(np, flat), kv))  # [40, V]
+    wint4, wint8 = np.abs(logits["wint4"] - logits[None]), np.abs(logits["wint8"] - logits[None])
+    assert wint4.max() < 0.1
+    assert wint8.mean() < 0.2 and wint8.max() < 2.5
+
+
+def test_quantized_models_pack_every_decoder_matrix_and_the_mtp_head(default_model_path) -> None:
+    from cupyspec.backend import select_backend
+    from cupyspec.loader import load_model
+    from cupyspec.loader.default_model import shipped_mtp_head
+    from cupyspec.model.llama import LlamaModel
+    from cupyspec.model.mtp import MTPHead, load_head_weights
+
+    loaded = load_model(default_model_path)
+    model = LlamaModel(loaded.config, loaded.weights, select_backend("cpu"), quantization="wint4")
+    layer = model.layers[0]
+    assert all(isinstance(w, QuantizedWeight) and w.method == "wint4"
+               for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(model.lm_head, np.ndarray) and isinstance(model.embed, np.ndarray)
+    head_path, _ = shipped_mtp_head("smollm2-135m-instruct")
+    head = MTPHead(model, load_head_weights(head_path, loaded.config), "wint8")
+    assert isinstance(head.eh_proj, QuantizedWeight) and head.layer.down.method == "wint8"
+
+
+# ---------------------------------------------------------------- on a GPU
+
+# (N, K): SmolLM2-135M's qkv, o, gate_up, down; odd N, a K of a single group and one past 12 warps' slices
+GPU_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (131, 96), (17, 32), (200, 12 * 32 * 4 + 64)]
+
+
+def _on_device(w: np.ndarray, method: str) -> tuple[QuantizedWeight, Any]:
+    """w packed on the GPU, and its dequantized weights as a plain fp16 matrix."""
+    import cupy
+
+    packed = quantize(cupy, w, method, np.float16)
+    return packed, cupy.asarray(dequantize(np, quantize(np, w, method, np.float16)))
+
+
+@gpu
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+def test_dequantize_kernel_gives_the_twins_bits(method: str, n: int, k: int) -> None:
+    import cupy
+
+    packed, want = _on_device(_weights(n, k, seed=n + k), method)
+    cupy.testing.assert_array_equal(dequantize(cupy, packed), want)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+def test_packed_products_give_the_bits_of_fp16_products_over_the_dequantized_weights(method: str, n: int, k: int,
+                                                                                     rows: int) -> None:
+    import cupy
+
+    packed, w = _on_device(_weights(n, k, seed=n * k), method)
+    x = cupy.asarray(np.random.default_rng(rows).standard_normal((rows, k)), dtype=np.float16)
+    cupy.testing.assert_array_equal(linear(cupy, x, packed), linear(cupy, x, w))
+    residual = cupy.asarray(np.random.default_rng(rows + 1).standard_normal((rows, n)), dtype=np.float32)
+    want = residual.copy()
+    add_linear(cupy, want, x, w)
+    add_linear(cupy, residual, x, packed)
+    cupy.testing.assert_array_equal(residual, want)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_fused_steps_over_packed_weights_give_the_bits_of_fp16_weights(method: str, rows: int) -> None:
+    import cupy
+
+    from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope
+    from cupyspec.model.ops import rope_tables
+
+    heads, kv_heads, head_dim, hidden, ffn = 9, 3, 64, 576, 1536
+    rng = np.random.default_rng(rows)
+    residual = cupy.asarray(rng.standard_normal((rows, hidden)), dtype=np.float32)
+    norm = cupy.asarray(rng.uniform(0.5, 1.5, hidden), dtype=np.float32)
+    cos, sin = rope_tables(cupy, head_dim, 10000.0, 64)
+    positions = cupy.arange(rows, dtype=np.int32) + 3
+    slots = cupy.arange(rows, dtype=np.int32) * 2
+    results = []
+    for packed_or_fp16 in (0, 1):
+        qkv = _on_device(_weights((heads + 2 * kv_heads) * head_dim, hidden, seed=5), method)[packed_or_fp16]
+        gate_up = _on_device(_weights(2 * ffn, hidden, seed=6), method)[packed_or_fp16]
+        k_cache = cupy.zeros((4, 16, kv_heads, head_dim), np.float16)
+        v_cache = cupy.zeros_like(k_cache)
+        q = norm_qkv_rope(cupy, residual, norm, 1e-5, qkv, None, cos, sin, positions, slots, k_cache, v_cache)
+        results.append((q, k_cache, v_cache, norm_gate_up_swiglu(cupy, residual, norm, 1e-5, gate_up)))
+    for packed, fp16 in zip(*results):
+        cupy.testing.assert_array_equal(packed, fp16)
+
+
+@gpu
+def test_wint4_of_a_q4_1_model_gives_the_fp16_models_logits_and_wint8_stays_close(default_model_path) -> None:
+    """The default GGUF's matrices are Q4_1: wint4 holds the very weights the fp16 model computes with.
+    Its replayed CUDA-graph steps give the eager logits."""
+    import cupy
+
+    from cupyspec.backend import select_backend
+    from cupyspec.loader import load_model
+    from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
+    from cupyspec.model.cuda_graphs import CudaGraphs
+    from cupyspec.model.kv_arrays import KVCacheArrays
+    from cupyspec.model.llama import LlamaModel
+
+    loaded = load_model(default_model_path)
+    backend = select_backend("cuda")
+    rng = np.random.default_rng(0)
+    # a prefill of 40 rows (dequantized weights), steps of 1 and 6 rows (packed gemv)
+    parts = [[(40, 0)], [(1, 40)], [(6, 41)]]
+    flats = [build_flat_batch([Segment(rng.integers(0, 1000, n).tolist(), start, [0, 1, 2, 3])], 16)
+             for (n, start), in parts]
+    logits = {}
+    for method in (None, "wint4", "wint8"):
+        model = LlamaModel(loaded.config, loaded.weights, backend, quantization=method)
+        kv = KVCacheArrays(cupy, loaded.config, 8, 16, backend.dtype)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        graphs = CudaGraphs(model, kv, stream, 8, 128, cupy.zeros(1, np.int32))
+        with stream:
+            logits[method] = [model.compute_logits(model.forward(DeviceBatch.of(cupy, f), kv)).get() for f in flats]
+            if method is not None:
+                for flat, eager in zip(flats[1:], logits[method][1:]):
+                    np.testing.assert_array_equal(graphs.run(flat).get(), eager)
+    for fp16, wint4, wint8 in zip(logits[None], logits["wint4"], logits["wint8"]):
+        np.testing.assert_array_equal(wint4, fp16)
+        # wint8 requantizes the 4-bit weights: logits within a few tenths of fp16's on average
+        assert np.abs(wint8 - fp16).mean() < 0.2 and np.abs(wint8 - fp16).max() < 2.5
+
+
+@gpu
+def test_wint4_default_model_gives_the_golden_greedy_outputs_on_the_gpu(default_model_path) -> None:
+    outputs = asyncio.run(generate_greedy(default_model_path, "cuda", [p for p, _ in GOLDEN_PROMPTS], "wint4"))
+    assert outputs == [expected for _, expected in GOLDEN_PROMPTS]
