@@ -192,14 +192,16 @@ def test_dequantize_kernel_gives_the_twins_bits(method: str, n: int, k: int) -> 
 @gpu
 @pytest.mark.parametrize("method", ["wint8", "wint4"])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 150, 600])
 def test_packed_products_give_the_bits_of_fp16_products_over_the_dequantized_weights(method: str, n: int, k: int,
                                                                                      rows: int) -> None:
+    """The gemv up to 8 rows; beyond, the fp16 kernels (tiles, cuBLAS) over dequantized weights."""
     import cupy
 
     packed, w = _on_device(_weights(n, k, seed=n * k), method)
     x = cupy.asarray(np.random.default_rng(rows).standard_normal((rows, k)), dtype=np.float16)
     cupy.testing.assert_array_equal(linear(cupy, x, packed), linear(cupy, x, w))
+    cupy.testing.assert_array_equal(linear(cupy, x, packed, np.float32), linear(cupy, x, w, np.float32))
     residual = cupy.asarray(np.random.default_rng(rows + 1).standard_normal((rows, n)), dtype=np.float32)
     want = residual.copy()
     add_linear(cupy, want, x, w)
@@ -251,7 +253,7 @@ def test_wint4_of_a_q4_1_model_gives_the_fp16_models_logits_and_wint8_stays_clos
     loaded = load_model(default_model_path)
     backend = select_backend("cuda")
     rng = np.random.default_rng(0)
-    # a prefill of 40 rows (dequantized weights), steps of 1 and 6 rows (packed gemv)
+    # a prefill of 40 rows (dequantized weights), steps of 1 and 6 rows (the packed gemv)
     parts = [[(40, 0)], [(1, 40)], [(6, 41)]]
     flats = [build_flat_batch([Segment(rng.integers(0, 1000, n).tolist(), start, [0, 1, 2, 3])], 16)
              for (n, start), in parts]
