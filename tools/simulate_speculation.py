@@ -106,8 +106,10 @@ class ScriptedDevice:
         for s, index in enumerate(inputs.owners):
             item = sched.scheduled[index]
             request_id = item.seq.request_id
-            script = self.scripts[request_id] + [0] * 8  # (the tokens past its end: a step in flight may ask)
+            script = self.scripts[request_id]
             at = self._length.get(request_id, item.num_tokens_before)  # position of the first token it emits
+            if at + inputs.drafts.shape[1] + len(MTP_ACCEPTANCE) + 1 > len(script):
+                script = script + [0] * 16  # the tokens past its end: a step in flight may ask
             drafts = [self._placed.get(d, -1) if d < 0 else d  # an MTP draft still on the device: its token
                       for d in inputs.drafts[s, :inputs.num_drafts[s]].tolist()]
             accepted = 0
