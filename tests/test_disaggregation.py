@@ -64,7 +64,7 @@ async def handed_over(model: str, method: str | None, break_fetch: bool = False,
     prefill = await AsyncEngine.create(engine_config(model, "mtp" if method == "mtp" else None, role="prefill",
                                                      head=head))
     decode = await AsyncEngine.create(engine_config(model, method, decode_kv_bytes, head=head))
-    decode_agent = KVTransferAgent("decode", decode.runner.kv)
+    decode_agent = KVTransferAgent("decode", decode.runner.kv, "float32")
     peer = decode_agent.connect(prefill.kv_agent.layout())
     fetches = 0  # that copied blocks
 

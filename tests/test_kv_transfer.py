@@ -4,6 +4,7 @@ notified."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 
@@ -47,7 +48,7 @@ def on_host(array) -> np.ndarray:
 
 def serve_prefill_pool(layouts: multiprocessing.Queue, notes: multiprocessing.Queue, device: str) -> None:
     """The peer process: publish a filled pool's layout, then report the first notification."""
-    agent = KVTransferAgent("prefill", pool(24, fill=True, device=device))
+    agent = KVTransferAgent("prefill", pool(24, fill=True, device=device), "float16")
     if device != "cpu":
         array_module(device).cuda.Device().synchronize()
     layouts.put(agent.layout())
@@ -74,7 +75,7 @@ def test_blocks_read_from_another_process_are_the_peers_and_the_peer_is_notified
     peer, layout, notes = start_peer(device)
     try:
         kv = pool(10, fill=False, device=device)
-        agent = KVTransferAgent("decode", kv)
+        agent = KVTransferAgent("decode", kv, "float16")
         name = agent.connect(layout)
         assert layout.memory == ("DRAM" if device == "cpu" else "VRAM")
         remote, local = [3, 7, 8, 9, 12, 13], [0, 1, 2, 3, 5, 7]  # runs: 3, 7-9, 12, 13
@@ -93,11 +94,13 @@ def test_blocks_read_from_another_process_are_the_peers_and_the_peer_is_notified
     assert peer.exitcode == 0
 
 
-def test_a_pool_of_another_shape_is_refused():
-    agent, other = KVTransferAgent("a", pool(4, fill=False)), KVTransferAgent("b", pool(4, fill=False))
-    layout = other.layout()
-    narrower = PoolLayout(layout.agent, layout.metadata, layout.regions[:-2], layout.blocks_per_region,
-                          layout.block_bytes, layout.memory, layout.device)
+def test_a_pool_of_another_shape_or_other_weights_is_refused():
+    agent = KVTransferAgent("a", pool(4, fill=False), "float16")
+    other = KVTransferAgent("b", pool(4, fill=False), "wint4")
+    with pytest.raises(KVTransferError, match=r"float16 weights\) does not match ours \(.*wint4\).*--quantization"):
+        other.connect(agent.layout())
+    layout = agent.layout()
+    narrower = dataclasses.replace(layout, regions=layout.regions[:-2])
     with pytest.raises(KVTransferError, match="does not match ours"):
         agent.connect(narrower)
     agent.close()
@@ -106,7 +109,7 @@ def test_a_pool_of_another_shape_is_refused():
 
 def test_reading_from_a_process_that_died_fails_with_a_transfer_error():
     peer, layout, _ = start_peer()
-    agent = KVTransferAgent("decode", pool(10, fill=False))
+    agent = KVTransferAgent("decode", pool(10, fill=False), "float16")
     name = agent.connect(layout)
     peer.kill()
     peer.join(timeout=TIMEOUT)

@@ -42,6 +42,7 @@ class PoolLayout:
     block_bytes: int
     memory: str  # "DRAM" or "VRAM"
     device: int  # the GPU of VRAM (0 for DRAM)
+    weights: str  # what the K/V is computed with: the weights' dtype ("float16") or quantization ("wint4")
 
 
 class KVTransferError(RuntimeError):
@@ -66,7 +67,7 @@ class KVTransferAgent:
     """One engine's NIXL agent over its KV pool. A transfer's first post may do the whole copy before
     it returns (shared memory within a host): call `read` from a worker thread, not an event loop."""
 
-    def __init__(self, name: str, kv: KVCacheArrays) -> None:
+    def __init__(self, name: str, kv: KVCacheArrays, weights: str) -> None:
         arrays = [*kv.k, *kv.v]  # each layer's [blocks + 1, block_size, Hkv, D]
         first = arrays[0]
         self._memory = "DRAM" if isinstance(first, np.ndarray) else "VRAM"
@@ -84,21 +85,23 @@ class KVTransferAgent:
         whole = kv.k.nbytes // len(kv.k)
         self._registered = self._agent.register_memory(
             [(address, whole, self._device, "") for address in self._regions], self._memory)
+        self._weights = weights
         self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
 
     def layout(self) -> PoolLayout:
         return PoolLayout(self.name, self._agent.get_agent_metadata(), self._regions, self._blocks,
-                          self._block_bytes, self._memory, self._device)
+                          self._block_bytes, self._memory, self._device, self._weights)
 
     def connect(self, peer: PoolLayout) -> str:
         """Add a peer's pool (once per agent name); its agent name, for `read`. KVTransferError where
-        its blocks are not ours (another model, block size or MTP head)."""
+        its blocks are not ours (another model, weights, block size or MTP head)."""
         if peer.agent not in self._peers:
-            if (len(peer.regions), peer.block_bytes) != (len(self._regions), self._block_bytes):
-                theirs = f"{len(peer.regions)} arrays of {peer.block_bytes}-byte blocks"
-                ours = f"{len(self._regions)} of {self._block_bytes}"
-                raise KVTransferError(f"KV pool of {peer.agent!r} ({theirs}) does not match ours ({ours}): "
-                                      "the servers must run the same model, block size and MTP head")
+            theirs = (len(peer.regions), peer.block_bytes, peer.weights)
+            if theirs != (len(self._regions), self._block_bytes, self._weights):
+                raise KVTransferError(
+                    f"KV pool of {peer.agent!r} ({theirs[0]} arrays of {theirs[1]}-byte blocks, {theirs[2]} weights) "
+                    f"does not match ours ({len(self._regions)} of {self._block_bytes}, {self._weights}): the servers "
+                    "must run the same model, weights (--quantization), block size and MTP head")
             self._agent.add_remote_agent(peer.metadata)
             self._peers[peer.agent] = peer
         return peer.agent

@@ -92,7 +92,8 @@ class AsyncEngine(HandoffRoles):
         self._rng = np.random.default_rng(config.seed)
         self.held_prompts = HeldPrompts(self.block_manager.release, config.prefill_hold_seconds)
         self.handoff_tasks: set[asyncio.Task] = set()  # decode role: prompts' K/V being fetched
-        self.kv_agent = (KVTransferAgent(f"cupyspec-{config.role}-{uuid.uuid4().hex[:12]}", self.runner.kv)
+        self.kv_agent = (KVTransferAgent(f"cupyspec-{config.role}-{uuid.uuid4().hex[:12]}", self.runner.kv,
+                                         config.quantization or np.dtype(backend.dtype).name)
                          if config.role != "both" else None)
         self.prefill_servers = (PrefillServers(config.prefill_urls, self.kv_agent, config.prefill_timeout_seconds)
                                 if config.role == "decode" else None)
