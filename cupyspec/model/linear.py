@@ -95,7 +95,7 @@ def _unpacked(xp: Any, x: Any, w: Any, epilogue: str) -> Any:
 
 
 def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
-    """x [M, K] @ w[N, K].T into target [M, N] on cuda/gemm.cu: stored as fp16 ("f16") or fp32 ("f32"),
+    """x [M, K] @ w[N, K].T into target [M, N] on our kernels: stored as fp16 ("f16") or fp32 ("f32"),
     or added to it in fp32 after rounding to fp16 ("add"); the gemv up to GEMV_MAX_ROWS rows (never
     for "f32"), else the tiles."""
     m, k = x.shape
@@ -120,7 +120,7 @@ def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = Non
 
     CuPy fp16 with fp16 or fp32 output and K % 8 == 0 runs cuda/gemm.cu up to KERNEL_MAX_ROWS rows;
     anything else is the plain product (the kernels' twin). `w` should be C-contiguous (else it is
-    copied on every call); `out`, C-contiguous [M, N] of out_dtype.
+    copied on every call), or packed (QuantizedWeight); `out`, C-contiguous [M, N] of out_dtype.
     """
     out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
     m, n = x.shape[0], w.shape[0]

@@ -1,5 +1,6 @@
-"""Weight-only quantization (`wint8`, `wint4`): a decoder's matrices kept packed on the device and
-dequantized inside the matrix products; activations, the embedding and the LM head stay as they are.
+"""Weight-only quantization (`wint8`, `wint4`): a decoder's matrices kept packed on the device,
+dequantized inside the gemv products (decode and verify steps) and to fp16 before larger ones;
+activations, the embedding and the LM head stay as they are.
 
 A packed matrix w [N, K] holds groups of GROUP weights along each row, each group integers q with an
 fp16 scale s (wint8, symmetric: w = s q, q in [-127, 127]) or an fp16 scale and minimum (wint4:
