@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 import msgspec
 from aiohttp import web
@@ -37,20 +35,24 @@ from cupyspec.server.protocol import (
 )
 from cupyspec.server.sampling import Prompt, completion_params, completion_prompts
 from cupyspec.server.speculation import SpeculateMetricsSum, request_speculation
-from cupyspec.server.streaming import EngineStream, UsageCounter, engine_streams, include_usage, merged, write_sse
+from cupyspec.server.streaming import UsageCounter, deliver, engine_streams, include_usage, write_sse
 
 
 class CompletionJob:
-    """The running engine requests of one completions call, turned into OpenAI choices."""
+    """The engine requests of one completions call (one per prompt) turned into OpenAI choices:
+    streamed as chunks (`chunks`, `closing`), or gathered (`add`) into one response."""
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt], n: int,
-                 streams: list[EngineStream], request_id: str) -> None:
-        self.ctx, self.req, self.prompts, self.n, self.streams = ctx, req, prompts, n, streams
+                 request_id: str) -> None:
+        self.ctx, self.req, self.prompts, self.n = ctx, req, prompts, n
         self.id = request_id
         self.created = int(time.time())
         self.usage = UsageCounter()
-        self.spec = SpeculateMetricsSum(len(streams))
+        self.spec = SpeculateMetricsSum(len(prompts))
+        self._usage_chunk = include_usage(req.stream_options)
         self._offsets: dict[int, int] = {}  # choice index -> characters of text so far (text_offset)
+        self._echoed: set[int] = set()  # prompts whose echo was sent
+        self._parts: dict[int, list[CompletionChoice]] = {i: [] for i in range(len(prompts) * n)}
 
     def _piece(self, index: int, text: str, token_ids: tuple[int, ...],
                logprobs: tuple[TokenLogprob | None, ...] | None, drafts: tuple[DraftLogprob, ...] | None = None,
@@ -81,43 +83,43 @@ class CompletionJob:
         return self._piece(prompt_index * self.n + delta.index, delta.text, delta.token_ids, delta.logprobs,
                            delta.draft_logprobs, delta.finish_reason, delta.stop_reason)
 
-    async def pieces(self) -> AsyncIterator[tuple[CompletionChoice, bool]]:
-        """Choice fragments in the order the engine produces them (echoed prompts first), each with
+    def _pieces(self, prompt_index: int, output: RequestOutput) -> list[tuple[CompletionChoice, bool]]:
+        """Count the output, and return its choice fragments (the echoed prompt first), each with
         whether it is the last of all."""
-        echoed: set[int] = set()
-        async with aclosing(merged(self.streams)) as outputs:
-            async for prompt_index, output in outputs:
-                self.usage.update(prompt_index, output)
-                self.spec.update(output)
-                if self.req.echo and prompt_index not in echoed:
-                    echoed.add(prompt_index)
-                    for piece in self._echo(prompt_index, output):
-                        yield piece, False
-                moving = [p for p in (self._delta(prompt_index, d) for d in output.deltas) if p is not None]
-                for i, piece in enumerate(moving):
-                    yield piece, self.spec.complete and i == len(moving) - 1
+        self.usage.update(prompt_index, output)
+        self.spec.update(output)
+        pieces = []
+        if self.req.echo and prompt_index not in self._echoed:
+            self._echoed.add(prompt_index)
+            pieces += [(piece, False) for piece in self._echo(prompt_index, output)]
+        moving = [p for p in (self._delta(prompt_index, d) for d in output.deltas) if p is not None]
+        return pieces + [(piece, self.spec.complete and i == len(moving) - 1) for i, piece in enumerate(moving)]
 
     def _chunk(self, choices: list[CompletionChoice], usage: bool = False, last: bool = False) -> CompletionChunk:
         return CompletionChunk(id=self.id, object="text_completion", created=self.created, model=self.ctx.model_name,
                                choices=choices, usage=self.usage.usage() if usage else None,
                                speculate_metrics=self.spec.result() if last else None)
 
-    async def chunks(self) -> AsyncIterator[CompletionChunk]:
-        """One chunk per fragment, then the usage chunk if asked for; the last carries speculate_metrics."""
-        usage_chunk = include_usage(self.req.stream_options)
-        async with aclosing(self.pieces()) as pieces:
-            async for piece, last in pieces:
-                yield self._chunk([piece], last=last and not usage_chunk)
-        if usage_chunk:
-            yield self._chunk([], usage=True, last=True)
+    def opening(self) -> list[CompletionChunk]:
+        return []
 
-    async def response(self) -> CompletionResponse:
-        parts: dict[int, list[CompletionChoice]] = {i: [] for i in range(len(self.prompts) * self.n)}
-        async with aclosing(self.pieces()) as pieces:
-            async for piece, _last in pieces:
-                parts[piece.index].append(piece)
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[CompletionChunk]:
+        """One chunk per fragment; the stream's last carries speculate_metrics."""
+        return [self._chunk([piece], last=last and not self._usage_chunk)
+                for piece, last in self._pieces(prompt_index, output)]
+
+    def closing(self) -> list[CompletionChunk]:
+        """The usage chunk, if asked for."""
+        return [self._chunk([], usage=True, last=True)] if self._usage_chunk else []
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        """Gather an output into the choices of `response`."""
+        for piece, _last in self._pieces(prompt_index, output):
+            self._parts[piece.index].append(piece)
+
+    def response(self) -> CompletionResponse:
         choices = []
-        for index, pieces_of_choice in parts.items():
+        for index, pieces_of_choice in self._parts.items():
             logprobs: list[CompletionLogprobs] = [p.logprobs for p in pieces_of_choice if p.logprobs is not None]
             drafts = [p.draft_logprobs for p in pieces_of_choice
                       if isinstance(p.draft_logprobs, CompletionDraftLogprobs)]
@@ -143,10 +145,11 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     speculation = request_speculation(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    requests = [(ctx.engine.generate(p, params, rid, speculation=speculation), rid)
-                for p, rid in zip(prompts, ids, strict=True)]
-    async with engine_streams(ctx.engine, requests) as streams:
-        job = CompletionJob(ctx, req, prompts, params.n, streams, request_id)
+    job = CompletionJob(ctx, req, prompts, params.n, request_id)
+    requests = [ctx.engine.generate(prompt, params, rid, speculation=speculation)
+                for prompt, rid in zip(prompts, ids, strict=True)]
+    async with engine_streams(requests) as streams:
         if req.stream:
-            return await write_sse(request, job.chunks())
-        return json_response(await job.response())
+            return await write_sse(request, job, streams)
+        await deliver(streams, job.add)
+    return json_response(job.response())

@@ -1,7 +1,9 @@
 """Engine requests as streams of outputs, and Server-Sent Events to the client.
 
 A request's first output is fetched before any response header is sent, so that validation
-errors (raised by the engine on the first iteration) become a 400 JSON body. Every stream that
+errors (raised by the engine on the first iteration) become a 400 JSON body. The later outputs are
+forwarded to the response as the engine makes them (`deliver`): a streamed response writes each
+output's chunks from inside the engine's step, with no task between the two. Every stream that
 does not run to its end (client gone, handler cancelled, error) is aborted in the engine, so its
 KV blocks are freed.
 """
@@ -10,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from cupyspec.engine.request_stream import Item, RequestStream
 from cupyspec.outputs import RequestOutput
 from cupyspec.server.errors import internal_error, to_api_error
 from cupyspec.server.protocol import StreamOptions, Usage
@@ -27,70 +30,48 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DONE = b"data: [DONE]\n\n"
 
 
-class Aborter(Protocol):
-    async def abort(self, request_id: str) -> None: ...
-
-
 class EngineStream:
-    """One engine request whose first output has been fetched; iterate it once, then `close` it."""
+    """One engine request whose first output has been fetched; its outputs go on through `forward`."""
 
-    def __init__(self, engine: Aborter, outputs: AsyncIterator[RequestOutput], request_id: str,
-                 first: RequestOutput | None) -> None:
-        self._engine = engine
+    def __init__(self, outputs: RequestStream, first: RequestOutput | None) -> None:
         self._outputs = outputs
-        self.request_id = request_id
         self._first = first
         self.finished = first is None or first.finished
 
     @classmethod
-    async def open(cls, engine: Aborter, outputs: AsyncIterator[RequestOutput], request_id: str) -> EngineStream:
+    async def open(cls, outputs: RequestStream) -> EngineStream:
         """Start the request; its validation and admission errors are raised here."""
         try:
             first = await anext(outputs)
         except StopAsyncIteration:
             first = None
         except BaseException:
-            await _release(engine, outputs, request_id, abort=True)
+            await outputs.aclose()
             raise
-        return cls(engine, outputs, request_id, first)
+        return cls(outputs, first)
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        if self._first is not None:
-            first, self._first = self._first, None
-            yield first
-        if self.finished:
-            return
-        async for output in self._outputs:
-            self.finished = output.finished
-            yield output
-        self.finished = True
+    def forward(self, consumer: Callable[[Item], None]) -> None:
+        """Hand the first output, then each later one as the engine makes it, to `consumer`."""
+        first, self._first = self._first, None
+        if first is not None:
+            consumer(first)
+        if not self.finished:
+            self._outputs.forward(consumer)
 
     async def close(self) -> None:
         """Release the request: abort it unless it ran to its end. Safe to call again."""
-        abort, self.finished = not self.finished, True
-        await _release(self._engine, self._outputs, self.request_id, abort)
-
-
-async def _release(engine: Aborter, outputs: AsyncIterator[RequestOutput], request_id: str, abort: bool) -> None:
-    """Abort the request in the engine (freeing its KV blocks) if asked, then close its iterator."""
-    try:
-        if abort:
-            await asyncio.shield(engine.abort(request_id))
-    finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        self.finished = True
+        await self._outputs.aclose()
 
 
 @asynccontextmanager
-async def engine_streams(engine: Aborter, requests: list[tuple[AsyncIterator[RequestOutput], str]],
-                         ) -> AsyncIterator[list[EngineStream]]:
+async def engine_streams(requests: list[RequestStream]) -> AsyncIterator[list[EngineStream]]:
     """Open several requests at once and close them all on exit. If any fails to open, the
-    others are aborted and its error is raised. A single request is opened in place (see `merged`)."""
+    others are aborted and its error is raised."""
     if len(requests) == 1:
-        streams = [await EngineStream.open(engine, *requests[0])]
+        streams = [await EngineStream.open(requests[0])]
     else:
-        streams = await _open_all(engine, requests)
+        streams = await _open_all(requests)
     try:
         yield streams
     finally:
@@ -98,9 +79,9 @@ async def engine_streams(engine: Aborter, requests: list[tuple[AsyncIterator[Req
             await stream.close()
 
 
-async def _open_all(engine: Aborter, requests: list[tuple[AsyncIterator[RequestOutput], str]]) -> list[EngineStream]:
+async def _open_all(requests: list[RequestStream]) -> list[EngineStream]:
     """Open the requests concurrently; on any error or cancellation, close those that opened and raise."""
-    tasks = [asyncio.ensure_future(EngineStream.open(engine, outputs, rid)) for outputs, rid in requests]
+    tasks = [asyncio.ensure_future(EngineStream.open(outputs)) for outputs in requests]
     try:
         await asyncio.wait(tasks)
     except BaseException:  # cancelled while opening: settle every task, abort what opened
@@ -123,41 +104,37 @@ def _opened(tasks: list[asyncio.Future[EngineStream]]) -> list[EngineStream]:
     return [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
 
 
-async def merged(streams: list[EngineStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of all streams as they come, tagged with the stream's index. A single stream is
-    iterated in place: every task between the engine and the response costs the output a turn of
-    the event loop, and on a GPU the loop turns once a step while the engine's host work outlasts
-    the device's."""
-    if len(streams) == 1:
-        async with aclosing(streams[0].__aiter__()) as outputs:
-            async for output in outputs:
-                yield 0, output
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+async def deliver(streams: list[EngineStream], on_output: Callable[[int, RequestOutput], None]) -> None:
+    """Call `on_output(index, output)` with every output of every stream, in each stream's order, as
+    the engine makes them; return once every stream has finished. An error from the engine or
+    from `on_output` ends the delivery and is raised here (the caller closes the streams)."""
+    done = asyncio.get_running_loop().create_future()
+    unfinished = {i for i, stream in enumerate(streams) if not stream.finished} | {-1}
 
-    async def pump(index: int, stream: EngineStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output))
-            queue.put_nowait((index, None))
-        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
-            queue.put_nowait((index, exc))
+    def consumer(index: int) -> Callable[[Item], None]:
+        def consume(item: Item) -> None:
+            if done.done():
+                return
+            try:
+                if isinstance(item, BaseException):
+                    raise item
+                on_output(index, item)
+            except Exception as exc:  # noqa: BLE001 - raised by `deliver`, never into the engine's step
+                done.set_exception(exc)
+                return
+            if item.finished:
+                _settled(index)
+        return consume
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _settled(index: int) -> None:
+        unfinished.discard(index)
+        if not unfinished:
+            done.set_result(None)
+
+    for index, stream in enumerate(streams):
+        stream.forward(consumer(index))
+    _settled(-1)  # every first output is in
+    await done
 
 
 class UsageCounter:
@@ -185,25 +162,53 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def write_sse(request: web.Request, events: AsyncIterator[Any]) -> web.StreamResponse:
-    """Send `events` as `data:` lines, then `data: [DONE]`. An error after the headers becomes an
-    error event; a client that went away ends the stream quietly (`events` is closed either way)."""
+class Job(Protocol):
+    """A response built from its requests' outputs (server/chat.py, server/completions.py)."""
+
+    def opening(self) -> list[Any]: ...  # the chunks that come before any output's
+    def chunks(self, index: int, output: RequestOutput) -> list[Any]: ...  # stream `index`'s output's
+    def closing(self) -> list[Any]: ...  # the chunks after the last output's
+
+
+class EventWriter:
+    """Writes events to a started response at once, without awaiting, so that it can be called from
+    the engine's step: straight to the connection's transport, as HTTP/1.1 chunks where the response
+    is chunked. A slow client's events wait in the transport's buffer."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
+        self._transport = request.transport
+        self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+
+    def write(self, payloads: list[Any]) -> None:
+        if not payloads:
+            return
+        data = b"".join(sse_event(p) for p in payloads)
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError("the client left")
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+
+
+async def write_sse(request: web.Request, job: Job, streams: list[EngineStream]) -> web.StreamResponse:
+    """Send the job's chunks as `data:` lines, then `data: [DONE]`: its opening chunks with the
+    headers, each output's as the engine delivers it, then its closing chunks. An error after the
+    headers becomes an error event; a client that went away ends the stream quietly."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
-        async with aclosing(events):
-            try:
-                async for event in events:
-                    await response.write(sse_event(event))
-            except ConnectionResetError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - headers are out: report in the stream
-                error = to_api_error(exc)
-                if error is None:
-                    log.exception("unexpected error while streaming %s", request.path)
-                    error = internal_error()
-                await response.write(b"data: " + error.body() + b"\n\n")
-        await response.write(DONE)
+        try:
+            await response.write(b"".join(sse_event(c) for c in job.opening()))  # with the headers
+            writer = EventWriter(request, response)
+            await deliver(streams, lambda index, output: writer.write(job.chunks(index, output)))
+            tail = b"".join(sse_event(c) for c in job.closing())
+        except ConnectionResetError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - headers are out: report in the stream
+            error = to_api_error(exc)
+            if error is None:
+                log.exception("unexpected error while streaming %s", request.path)
+                error = internal_error()
+            tail = b"data: " + error.body() + b"\n\n"
+        await response.write(tail + DONE)
         await response.write_eof()
     except ConnectionResetError:
         log.debug("client left %s before the end of its stream", request.path)

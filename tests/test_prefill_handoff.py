@@ -150,6 +150,8 @@ def test_the_first_token_comes_before_the_kv_and_a_request_left_meanwhile_frees_
 
         outputs = decode.generate_prefilled(PROMPT, params, 1, handed, fetch)
         first = await outputs.__anext__()
+        while not asked:  # the fetch has started
+            await asyncio.sleep(0.001)
         await outputs.aclose()
         await asyncio.sleep(0.05)
         during = decode.stats().num_used_kv_blocks

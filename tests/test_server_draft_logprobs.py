@@ -17,9 +17,11 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from scripted_streams import scripted_stream
 from server_fixtures import LiveServer, tiny_config
 from tiny_models import TinySpec, random_head_weights, write_head_file
 
+from cupyspec.engine.request_stream import RequestStream
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
 from cupyspec.outputs import CompletionDelta, DraftLogprob, RequestOutput, TokenLogprob
 from cupyspec.sampling.params import SamplingParams
@@ -87,8 +89,16 @@ class DraftScriptEngine:
         return CompletionDelta(choice, "".join(map(chr, tokens)), tokens, logprobs, "length" if last else None,
                                draft_logprobs=draft_lps, logprobs_json=rendered)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 speculation: RequestSpeculation | None = None) -> RequestStream:
+        return scripted_stream(self._outputs(prompt, params, request_id), request_id)
+
+    def chat(self, messages: list[dict], params: SamplingParams, request_id: str,
+             speculation: RequestSpeculation | None = None) -> RequestStream:
+        return self.generate(messages[-1]["content"], params, request_id)
+
+    async def _outputs(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
         ids = tuple(prompt.encode()) if isinstance(prompt, str) else tuple(prompt)
         emitted = 0
         for step in range(len(STEPS)):
@@ -96,14 +106,6 @@ class DraftScriptEngine:
             deltas = tuple(self._delta(c, step, params, prompt != "plain") for c in range(params.n))
             emitted += sum(len(d.token_ids) for d in deltas)
             yield RequestOutput(request_id, ids, deltas, len(ids), emitted, step == len(STEPS) - 1)
-
-    async def chat(self, messages: list[dict], params: SamplingParams, request_id: str,
-                   speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
-        async for output in self.generate(messages[-1]["content"], params, request_id):
-            yield output
-
-    async def abort(self, request_id: str) -> None:
-        pass
 
 
 def with_client(test: Callable[[TestClient], Awaitable[None]]) -> None:

@@ -11,6 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from scripted_streams import scripted_stream
 
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
@@ -192,7 +193,13 @@ class ScriptedEngine:
         self.is_serving = True
         self.drafts_with_model = False
 
-    async def generate(self, prompt, params, request_id, speculation=None):  # noqa: ANN001, ANN201
+    def generate(self, prompt, params, request_id, speculation=None):  # noqa: ANN001, ANN201
+        return scripted_stream(self._outputs(prompt, params, request_id), request_id, self.aborted.append)
+
+    def chat(self, messages, params, request_id, speculation=None):  # noqa: ANN001, ANN201
+        return self.generate(messages[-1]["content"], params, request_id)
+
+    async def _outputs(self, prompt, params, request_id):  # noqa: ANN001, ANN202
         errors = {"bad": InvalidRequestError("prompt is bad", "prompt"), "full": EngineOverloadedError("full"),
                   "crash": RuntimeError("bug")}
         if isinstance(prompt, str) and prompt in errors:
@@ -217,13 +224,6 @@ class ScriptedEngine:
                                 prompt_lps if step == 0 else None)
             if prompt == "late":
                 raise EngineClosedError("the engine failed")
-
-    async def chat(self, messages, params, request_id, speculation=None):  # noqa: ANN001, ANN201
-        async for output in self.generate(messages[-1]["content"], params, request_id):
-            yield output
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
     def metrics_text(self) -> str:
         return "# TYPE x counter\nx 1\n"

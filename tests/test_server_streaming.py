@@ -1,112 +1,134 @@
-"""Engine requests as streams (server/streaming.py): opening, merging and closing, without a model."""
+"""Engine requests as streams (server/streaming.py): opening, delivering and closing, without a model."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
 
-from cupyspec.server.streaming import engine_streams, merged
+from cupyspec.engine.request_stream import OutputChannel, RequestStream
+from cupyspec.server.streaming import deliver, engine_streams
 
 
 class _Engine:
-    """Records aborts, as AsyncEngine.abort frees a request's KV blocks."""
+    """Hands out request streams whose outputs a test puts, as the step loop puts them, and
+    records aborts, as the step loop frees an aborted request's KV blocks."""
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.requests: dict[str, SimpleNamespace] = {}
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+    def stream(self, request_id: str, error: Exception | None = None) -> RequestStream:
+        async def opening() -> SimpleNamespace:
+            if error is not None:
+                raise error
+            request = SimpleNamespace(request_id=request_id, channel=OutputChannel(), finished=False)
+            self.requests[request_id] = request
+            request.channel.put(SimpleNamespace(name=f"{request_id}:0", finished=False))
+            return request
+
+        return RequestStream(opening(), self.aborted.append)
+
+    def put(self, request_id: str, name: str, finished: bool = False) -> None:
+        request = self.requests[request_id]
+        request.finished = finished
+        request.channel.put(SimpleNamespace(name=name, finished=finished))
 
 
-def _output(name: str, finished: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(name=name, finished=finished)
-
-
-async def _gated(names: list[str], gate: asyncio.Event) -> AsyncIterator[SimpleNamespace]:
-    """The first output at once, each later one after `gate` is set (and cleared)."""
-    for i, name in enumerate(names):
-        if i:
-            await gate.wait()
-            gate.clear()
-        yield _output(name, finished=i == len(names) - 1)
-
-
-def test_a_single_stream_reaches_its_consumer_in_one_turn_of_the_loop():
-    """No task stands between one request's engine outputs and its response: on a GPU the event
-    loop turns once a step while the engine's host work outlasts the device's, so each task in
-    between would hold every chunk back by a step."""
+def test_outputs_reach_the_consumer_from_inside_the_step_that_makes_them():
+    """No task stands between a request's outputs and its response: on a GPU the event loop turns
+    once a step while the engine's host work outlasts the device's, so each turn in between would
+    cost the host time per output that the step loop needs."""
     async def main() -> None:
-        gate, got = asyncio.Event(), []
-        async with engine_streams(_Engine(), [(_gated(["a", "b", "c"], gate), "r")]) as streams:
-            async def consume() -> None:
-                async for index, output in merged(streams):
-                    got.append((index, output.name))
-
-            consumer = asyncio.create_task(consume())
+        engine, got = _Engine(), []
+        async with engine_streams([engine.stream("r")]) as streams:
+            delivery = asyncio.ensure_future(deliver(streams, lambda index, output: got.append(output.name)))
             await asyncio.sleep(0)
-            assert got == [(0, "a")]
-            for expected in ("b", "c"):
-                gate.set()
-                await asyncio.sleep(0)  # one turn
-                assert got[-1] == (0, expected)
-            await consumer
+            assert got == ["r:0"]
+            engine.put("r", "r:1")
+            assert got == ["r:0", "r:1"]  # no turn of the loop in between
+            engine.put("r", "r:2", finished=True)
+            await asyncio.wait_for(delivery, 1)
+        assert engine.aborted == []
 
     asyncio.run(main())
 
 
-def test_several_streams_are_merged_as_their_outputs_come():
+def test_several_streams_are_delivered_as_their_outputs_come_and_end_when_all_have_finished():
     async def main() -> None:
-        gates = [asyncio.Event(), asyncio.Event()]
-        requests = [(_gated([f"{i}{j}" for j in range(3)], gates[i]), f"r{i}") for i in range(2)]
-        got = []
-        async with engine_streams(_Engine(), requests) as streams:
-            async def consume() -> None:
-                async for index, output in merged(streams):
-                    got.append((index, output.name))
-
-            consumer = asyncio.create_task(consume())
-            for i in (1, 1, 0, 0):
-                for _ in range(3):
-                    await asyncio.sleep(0)
-                gates[i].set()
-            await consumer
-        assert sorted(got) == [(0, "00"), (0, "01"), (0, "02"), (1, "10"), (1, "11"), (1, "12")]
-        assert [name for index, name in got if index == 1] == ["10", "11", "12"]
-        assert got.index((1, "12")) < got.index((0, "01"))  # stream 1 ran ahead
+        engine, got = _Engine(), []
+        async with engine_streams([engine.stream("a"), engine.stream("b")]) as streams:
+            delivery = asyncio.ensure_future(deliver(streams, lambda index, output: got.append((index, output.name))))
+            await asyncio.sleep(0)
+            engine.put("b", "b:1")
+            engine.put("b", "b:2", finished=True)
+            await asyncio.sleep(0)
+            assert not delivery.done()  # stream a has not finished
+            engine.put("a", "a:1", finished=True)
+            await asyncio.wait_for(delivery, 1)
+        assert got == [(0, "a:0"), (1, "b:0"), (1, "b:1"), (1, "b:2"), (0, "a:1")]
+        assert engine.aborted == []
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize("num_requests", [1, 2])
-def test_streams_left_unfinished_are_aborted(num_requests: int):
-    """A response that stops early (client gone) aborts its requests in the engine; finished ones are not."""
-    async def main() -> list[str]:
-        engine, gate = _Engine(), asyncio.Event()
-        requests = [(_gated(["a", "b"], gate), f"r{i}") for i in range(num_requests)]
-        async with engine_streams(engine, requests) as streams:
-            async for _ in merged(streams):
-                break
-        return engine.aborted
+def test_streams_left_unfinished_are_aborted_and_forward_nothing_more(num_requests: int):
+    """A response that stops early (client gone) aborts its requests in the engine; finished ones are
+    not, and nothing reaches the response after it has closed its streams."""
+    async def main() -> tuple[list[str], list[str]]:
+        engine, got = _Engine(), []
+        ids = [f"r{i}" for i in range(num_requests)]
+        async with engine_streams([engine.stream(rid) for rid in ids]) as streams:
+            delivery = asyncio.ensure_future(deliver(streams, lambda index, output: got.append(output.name)))
+            await asyncio.sleep(0)
+            if num_requests > 1:
+                engine.put("r1", "r1:1", finished=True)
+            delivery.cancel()
+        engine.put("r0", "r0:late")
+        return engine.aborted, got
 
-    assert sorted(asyncio.run(main())) == [f"r{i}" for i in range(num_requests)]
+    aborted, got = asyncio.run(main())
+    assert aborted == ["r0"]
+    assert "r0:late" not in got
+
+
+def test_an_error_from_the_engine_or_the_consumer_ends_the_delivery_and_is_raised_there():
+    async def main(fail_in: str) -> list[str]:
+        engine, got = _Engine(), []
+
+        def consume(index: int, output: SimpleNamespace) -> None:
+            if output.name == "r:1" and fail_in == "consumer":
+                raise ValueError("cannot render")
+            got.append(output.name)
+
+        async with engine_streams([engine.stream("r")]) as streams:
+            delivery = asyncio.ensure_future(deliver(streams, consume))
+            await asyncio.sleep(0)
+            if fail_in == "engine":
+                engine.requests["r"].channel.put(ValueError("the engine failed"))
+            else:
+                engine.put("r", "r:1")  # the consumer's error does not reach the engine's step
+            engine.put("r", "r:2")
+            with pytest.raises(ValueError):
+                await delivery
+        assert engine.aborted == ["r"]
+        return got
+
+    assert asyncio.run(main("engine")) == ["r:0"]
+    assert asyncio.run(main("consumer")) == ["r:0"]
 
 
 @pytest.mark.parametrize("num_requests", [1, 2])
 def test_a_request_that_fails_to_open_raises_and_aborts_the_others(num_requests: int):
-    async def failing() -> AsyncIterator[SimpleNamespace]:
-        raise ValueError("bad prompt")
-        yield  # an async generator
-
     async def main(engine: _Engine) -> None:
-        requests = [(failing(), "bad")] + [(_gated(["a", "b"], asyncio.Event()), f"r{i}")
-                                             for i in range(num_requests - 1)]
-        async with engine_streams(engine, requests):
+        requests = [engine.stream("bad", ValueError("bad prompt"))] + [engine.stream(f"r{i}")
+                                                                         for i in range(num_requests - 1)]
+        async with engine_streams(requests):
             pytest.fail("opened")
 
     engine = _Engine()
     with pytest.raises(ValueError, match="bad prompt"):
         asyncio.run(main(engine))
-    assert sorted(engine.aborted) == ["bad"] + [f"r{i}" for i in range(num_requests - 1)]
+    assert sorted(engine.aborted) == [f"r{i}" for i in range(num_requests - 1)]

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +20,13 @@ from cupyspec.engine.admission import check_request
 from cupyspec.engine.build_runner import build_runner
 from cupyspec.engine.handoff_roles import HandoffRoles, drafting_rule
 from cupyspec.engine.output_processor import OutputProcessor, RequestState
+from cupyspec.engine.request_stream import RequestStream
 from cupyspec.engine.step_loop import StepLoop
 from cupyspec.engine.warm_up import run_warm_up
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.loader import LoadedModel, load_model
 from cupyspec.metrics import EngineMetrics
 from cupyspec.model.linear import KERNEL_MAX_ROWS
-from cupyspec.outputs import RequestOutput
 from cupyspec.parallel.runner import ParallelRunner
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
@@ -143,54 +142,38 @@ class AsyncEngine(HandoffRoles):
 
     # ---------------------------------------------------------------- requests
 
-    async def chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None,
-                   speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
+    def chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None,
+             speculation: RequestSpeculation | None = None) -> RequestStream:
         """Render the chat template over `messages`, then stream as `generate` does."""
+        return RequestStream(self._open_chat(messages, params, request_id, speculation), self.step_loop.abort)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 speculation: RequestSpeculation | None = None) -> RequestStream:
+        """Stream a request's outputs. Bad input raises on the first `anext`."""
+        return RequestStream(self._open(prompt, params, request_id, speculation), self.step_loop.abort)
+
+    def _generate_here(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       speculation: RequestSpeculation | None = None) -> RequestStream:
+        """`generate` on this engine alone, whatever its role."""
+        return RequestStream(self._open(prompt, params, request_id, speculation, here=True), self.step_loop.abort)
+
+    async def _open_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None,
+                         speculation: RequestSpeculation | None) -> RequestState:
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except (ValueError, TemplateError) as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", "messages") from None
-        outputs = self.generate(prompt, params, request_id, speculation)
-        try:
-            async for output in outputs:
-                yield output
-        finally:
-            await outputs.aclose()
+        return await self._open(prompt, params, request_id, speculation)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Bad input raises before the first yield."""
-        if self.prefill_servers is not None and params.n == 1:
-            outputs = self.hand_off(self._prompt_ids(prompt, params), params, request_id, speculation)
-        else:
-            outputs = self._generate_here(prompt, params, request_id, speculation)
-        async for output in outputs:
-            yield output
-
-    def _generate_here(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
-        """`generate` on this engine alone, whatever its role (bad input raises at once)."""
-        return self._outputs(self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation))
-
-    async def _outputs(self, request: RequestState) -> AsyncIterator[RequestOutput]:
-        """A request's outputs, as they come; it is aborted if the caller stops reading first."""
-        channel = request.channel
-        try:
-            while True:
-                output = channel.take()
-                if output is None:
-                    await channel.ready()
-                    continue
-                if isinstance(output, BaseException):
-                    raise output
-                yield output
-                if output.finished:
-                    return
-        finally:
-            if not request.finished:
-                self.step_loop.abort(request.request_id)
+    async def _open(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                    speculation: RequestSpeculation | None, here: bool = False) -> RequestState:
+        """Add the request (bad input raises): in the decode role, a one-choice request once a prefill
+        server has run its prompt, unless `here`."""
+        if self.prefill_servers is not None and params.n == 1 and not here:
+            return await self.hand_off(prompt, params, request_id, speculation)
+        return self._add_request(prompt, params, request_id or uuid.uuid4().hex, speculation)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its choices finish with reason "abort" and free their KV blocks."""

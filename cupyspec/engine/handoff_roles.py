@@ -9,14 +9,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from cupyspec.config import EngineConfig
 from cupyspec.disagg.handoff import FetchBlocks, HeadDrafts, PrefilledPrompt, first_token_only
+from cupyspec.engine.output_processor import RequestState
+from cupyspec.engine.request_stream import RequestStream
 from cupyspec.engine.step_outputs import SeqStepOutput
 from cupyspec.errors import EngineClosedError
-from cupyspec.outputs import RequestOutput
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.scheduling.scheduler import ScheduledSeq, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
@@ -34,7 +34,7 @@ def drafting_rule(config: EngineConfig) -> SpeculativeConfig:
 
 
 class HandoffRoles:
-    """Mixed into AsyncEngine, whose request intake (`_add_request`, `_outputs`, `_sampling_key`),
+    """Mixed into AsyncEngine, whose request intake (`_add_request`, `_prompt_ids`, `_sampling_key`),
     scheduler, output processor, step loop, held prompts, KV agent and prefill servers these methods use."""
 
     async def prefill(self, prompt: list[int], params: SamplingParams, sampling_key: int) -> PrefilledPrompt:
@@ -47,7 +47,7 @@ class HandoffRoles:
         seq = request.seqs[0]
         seq.keep_prompt_kv = True
         token_id, logprob, prompt_logprobs = None, None, None
-        async for output in self._outputs(request):
+        async for output in RequestStream.of(request, self.step_loop.abort):
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             for delta in output.deltas:
                 token_id = delta.token_ids[0] if delta.token_ids else token_id
@@ -57,9 +57,9 @@ class HandoffRoles:
         drafts = HeadDrafts.of(seq.kept_drafts) if seq.kept_drafts is not None else None
         return PrefilledPrompt(request.request_id, token_id, logprob, prompt_logprobs, seq.kept_blocks, drafts)
 
-    async def generate_prefilled(self, prompt: list[int], params: SamplingParams, sampling_key: int,
-                                 prefilled: PrefilledPrompt, fetch: FetchBlocks, request_id: str | None = None,
-                                 speculation: RequestSpeculation | None = None) -> AsyncIterator[RequestOutput]:
+    def generate_prefilled(self, prompt: list[int], params: SamplingParams, sampling_key: int,
+                           prefilled: PrefilledPrompt, fetch: FetchBlocks, request_id: str | None = None,
+                           speculation: RequestSpeculation | None = None) -> RequestStream:
         """Decode role: stream a one-choice request whose prompt a prefill server ran (`prefilled`, with
         `sampling_key`) as `generate` would. Its first token is delivered at once; meanwhile
         `await fetch(remote, local)` copies the prompt's K/V blocks this pool lacks (the prefill
@@ -67,6 +67,12 @@ class HandoffRoles:
         request, with no blocks where the first token ends it or the pool is short (the prefill server
         may let its blocks go); where the pool is short or the fetch fails, the prompt is computed
         here instead, with the same outputs."""
+        return RequestStream(self._open_prefilled(prompt, params, sampling_key, prefilled, fetch, request_id,
+                                                  speculation), self.step_loop.abort)
+
+    async def _open_prefilled(self, prompt: list[int], params: SamplingParams, sampling_key: int,
+                              prefilled: PrefilledPrompt, fetch: FetchBlocks, request_id: str | None,
+                              speculation: RequestSpeculation | None) -> RequestState:
         try:
             if params.n != 1:
                 raise ValueError("a prefilled request has one choice")
@@ -95,8 +101,7 @@ class HandoffRoles:
         task = asyncio.create_task(self._receive(seq, fetch, prefilled.block_ids, first_block))
         self.handoff_tasks.add(task)  # (the loop keeps only a weak reference)
         task.add_done_callback(self.handoff_tasks.discard)
-        async for output in self._outputs(request):
-            yield output
+        return request
 
     async def _receive(self, seq: Sequence, fetch: FetchBlocks, remote: tuple[int, ...],
                        first_block: int | None) -> None:
@@ -120,13 +125,14 @@ class HandoffRoles:
             self.scheduler.end_transfer(seq, ok and fetching)
             self.step_loop.wake.set()
 
-    async def hand_off(self, token_ids: list[int], params: SamplingParams, request_id: str | None,
-                       speculation: RequestSpeculation | None) -> AsyncIterator[RequestOutput]:
-        """Decode role: `generate` a checked one-choice request through a prefill server (`prefill_servers`)."""
+    async def hand_off(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                       speculation: RequestSpeculation | None) -> RequestState:
+        """Decode role: add a one-choice request once a prefill server (`prefill_servers`) has run its
+        prompt, as `generate_prefilled` does."""
+        token_ids = self._prompt_ids(prompt, params)
         key = self._sampling_key(params, 0)
         prefilled, fetch = await self.prefill_servers.prefill(token_ids, params, key)
-        async for output in self.generate_prefilled(token_ids, params, key, prefilled, fetch, request_id, speculation):
-            yield output
+        return await self._open_prefilled(token_ids, params, key, prefilled, fetch, request_id, speculation)
 
     async def release_read_prompts(self) -> None:
         """Prefill role: release each prompt a decode server has read (or let go), as the notifications

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
+from cupyspec.engine.request_stream import OutputChannel
 from cupyspec.engine.step_outputs import SeqStepOutput
 from cupyspec.logprobs.logprob_json import LogprobsJSON
 from cupyspec.metrics import EngineMetrics
@@ -18,35 +17,6 @@ from cupyspec.scheduling.scheduler import Scheduler, SchedulerOutput
 from cupyspec.scheduling.sequence import Sequence
 from cupyspec.spec_decode.stats import SpecStats
 from cupyspec.text.detokenizer import IncrementalDetokenizer
-
-
-class OutputChannel:
-    """A request's outputs, or the error that ends them, in order, for one awaiting reader.
-
-    Lighter than asyncio.Queue (no size bound, no task accounting, one reader), since the engine
-    puts one output per request and step.
-    """
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._items.append(item)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def take(self) -> RequestOutput | BaseException | None:
-        """The next item, or None if there is none yet (then await `ready()`)."""
-        return self._items.popleft() if self._items else None
-
-    def ready(self) -> asyncio.Future:
-        """A future done once an item is put."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        return self._waiter
 
 
 @dataclass(eq=False)
