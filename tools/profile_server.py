@@ -5,8 +5,9 @@ driven in-process and through the server by `bench_serve.py`.
 
 The engine runs for real (scheduler, detokenizer, outputs), its steps on the event loop as on a
 GPU and on uvloop; only the model is replaced, by simulate_speculation.py's ScriptedDevice: every request gets
-the same scripted reply, and a step takes the H100's modeled device time. Each round serves the
-same random-word chat prompts (`bench_serve.py --dataset random`, greedy, `ignore_eos`) twice:
+the same scripted reply, and a step takes the H100's modeled device time. With `--device cuda` the
+model runs on the GPU instead, which compares the two modes on the same engine, workload and machine.
+Each round serves the same random-word chat prompts (`bench_serve.py --dataset random`, greedy, `ignore_eos`) twice:
 in-process through `AsyncEngine.chat`, then over HTTP from a `bench_serve.py` process against the
 server running in this process. Reported per mode: output tok/s and this process's CPU µs per
 output token (the engine's host work, plus the server's over HTTP). Wrap the command in
@@ -36,6 +37,7 @@ from cupyspec.server.app import create_app, start_server
 from cupyspec.server.cli import run_loop
 
 TOOLS = Path(__file__).resolve().parent
+GPU_KV_BYTES = 8 * 2**30
 
 
 async def in_process(engine: AsyncEngine, prompts: list[str], concurrency: int, max_tokens: int) -> int:
@@ -68,16 +70,26 @@ async def over_http(base_url: str, args: argparse.Namespace, concurrency: int, n
         return json.loads(result.read_text())["summary"]
 
 
-async def main(args: argparse.Namespace) -> None:
+async def start_engine(args: argparse.Namespace) -> AsyncEngine:
+    """The engine on the GPU, or with its model replaced by a ScriptedDevice."""
+    scheduler = SchedulerConfig(max_num_seqs=max(args.concurrency))
+    if args.device == "cuda":
+        engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cuda", scheduler=scheduler,
+                                                       cache=CacheConfig(kv_cache_memory_bytes=GPU_KV_BYTES)))
+        settle_garbage_collector()
+        return engine
     step_loop.StepThread = lambda name: worker.InlineSteps()  # steps on the event loop, as on a GPU
-    config = EngineConfig(model=args.model, device="cpu", warm_up=False,
-                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)),
-                          cache=CacheConfig(kv_cache_memory_bytes=SIMULATED_KV_BYTES))
-    engine = await AsyncEngine.create(config)
+    engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cpu", warm_up=False, scheduler=scheduler,
+                                                   cache=CacheConfig(kv_cache_memory_bytes=SIMULATED_KV_BYTES)))
     settle_garbage_collector()
     device = ScriptedDevice(engine, args.sample_ms, verify_ms=0.0)
     reply = np.random.default_rng(0).integers(100, 40000, 4096).tolist()  # any request's prompt + reply
     device.scripts = defaultdict(lambda: reply)
+    return engine
+
+
+async def main(args: argparse.Namespace) -> None:
+    engine = await start_engine(args)
     runner, port = await start_server(create_app(engine), "127.0.0.1", 0)
     try:
         for round_ in range(args.rounds):
@@ -106,6 +118,8 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="its tokenizer and chat template are used")
+    p.add_argument("--device", default="scripted", choices=("scripted", "cuda"),
+                   help="scripted: the model replaced by a modeled H100; cuda: the model on the GPU")
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     p.add_argument("--prompts-per-stream", type=int, default=3)
     p.add_argument("--input-words", type=int, default=128)
