@@ -294,6 +294,33 @@ def test_stream_formats() -> None:
     with_client(test)
 
 
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_a_stream_written_from_the_engine_step_is_framed_for_the_client_http_version(version: str) -> None:
+    """HTTP/1.1 gets the events as chunks (chunked transfer encoding), HTTP/1.0 unframed until the
+    connection closes; the events are the same."""
+    async def test(client: TestClient, engine: ScriptedEngine) -> None:
+        body = json.dumps({"prompt": "x", "max_tokens": 3, "stream": True}).encode()
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(f"POST /v1/completions HTTP/{version}\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        raw = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        chunked = b"transfer-encoding: chunked" in head.lower()
+        assert head.startswith(f"HTTP/{version} 200".encode()) and chunked == (version == "1.1")
+        if chunked:
+            text, rest = b"", payload
+            while True:
+                size, _, rest = rest.partition(b"\r\n")
+                if int(size, 16) == 0:
+                    break
+                text, rest = text + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+            payload = text
+        events = sse_events(payload.decode())
+        assert "".join(e["choices"][0]["text"] for e in events) == "abc" and engine.aborted == []
+    with_client(test)
+
+
 def test_errors_over_http_and_server_keeps_serving() -> None:
     async def test(client: TestClient, engine: ScriptedEngine) -> None:
         cases = [("GET", "/nope", None, 404, "not_found_error"), ("GET", "/v1/completions", None, 405, None),
