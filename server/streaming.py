@@ -109,6 +109,7 @@ async def deliver(streams: list[EngineStream], on_output: Callable[[int, Request
     the engine makes them; return once every stream has finished. An error from the engine or
     from `on_output` ends the delivery and is raised here (the caller closes the streams)."""
     done = asyncio.get_running_loop().create_future()
+    # -1 stands for the forwarding itself, so that delivery ends only after every stream's first output
     unfinished = {i for i, stream in enumerate(streams) if not stream.finished} | {-1}
 
     def consumer(index: int) -> Callable[[Item], None]:
@@ -133,7 +134,7 @@ async def deliver(streams: list[EngineStream], on_output: Callable[[int, Request
 
     for index, stream in enumerate(streams):
         stream.forward(consumer(index))
-    _settled(-1)  # every first output is in
+    _settled(-1)
     await done
 
 

@@ -47,11 +47,13 @@ class HandoffRoles:
         seq = request.seqs[0]
         seq.keep_prompt_kv = True
         token_id, logprob, prompt_logprobs = None, None, None
-        async for output in RequestStream.of(request, self.step_loop.abort):
-            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
-            for delta in output.deltas:
-                token_id = delta.token_ids[0] if delta.token_ids else token_id
-                logprob = delta.logprobs[0] if delta.logprobs else logprob
+        # aborted if the caller is cancelled first
+        async with contextlib.aclosing(RequestStream.of(request, self.step_loop.abort)) as outputs:
+            async for output in outputs:
+                prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+                for delta in output.deltas:
+                    token_id = delta.token_ids[0] if delta.token_ids else token_id
+                    logprob = delta.logprobs[0] if delta.logprobs else logprob
         if token_id is None or not seq.kept_blocks:
             raise EngineClosedError("the prefill did not finish")
         drafts = HeadDrafts.of(seq.kept_drafts) if seq.kept_drafts is not None else None
