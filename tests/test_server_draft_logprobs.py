@@ -77,7 +77,8 @@ class DraftScriptEngine:
     def _delta(self, choice: int, step: int, params: SamplingParams, speculates: bool) -> CompletionDelta:
         emitted, drafts = STEPS[step]
         tokens = tuple(ord(ch) + choice for ch in emitted)
-        logprobs = tuple(TokenLogprob(t, -1.0, *top_of(params)) for t in tokens) if params.logprobs is not None else None
+        logprobs = (tuple(TokenLogprob(t, -1.0, *top_of(params)) for t in tokens)
+                    if params.logprobs is not None else None)
         rendered = None
         if params.render_logprobs and logprobs is not None:
             logprobs, rendered = None, self.renderer.render_records(logprobs)
