@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from cupyspec.config import CacheConfig, EngineConfig, SchedulerConfig
+from cupyspec.model.quantized import METHODS as QUANTIZATION_METHODS
 from cupyspec.spec_decode.proposers.mtp import head_file
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="decode role: the most a prefill server's answer, or the read of a prompt's K/V, may "
                         "take before the next server is tried or the prompt is computed here")
-    p.add_argument("--quantization", choices=("wint8", "wint4"), type=str.lower,
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, type=str.lower,
                    help="weight-only quantization of the decoder's matrices, packed on the device: wint8 (8-bit, "
                         "a scale per 32 weights) or wint4 (4-bit, a scale and minimum per 32); default: fp16")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
