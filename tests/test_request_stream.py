@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -72,6 +73,23 @@ def test_a_stream_dropped_unfinished_aborts_its_request_and_one_never_read_adds_
         return aborted, added
 
     assert asyncio.run(main()) == (["dropped"], [])
+
+
+def test_a_stream_dropped_on_another_thread_aborts_its_request_on_the_loop_that_added_it():
+    async def main() -> list[tuple[str, bool]]:
+        loop, aborted = asyncio.get_running_loop(), []
+        on_loop = threading.get_ident()
+        streams = [RequestStream.of(_request("elsewhere"),
+                                    lambda request_id: aborted.append((request_id, threading.get_ident() == on_loop)))]
+        dropper = threading.Thread(target=streams.clear)  # the last reference goes on another thread
+        dropper.start()
+        dropper.join()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert loop.is_running()
+        return aborted
+
+    assert asyncio.run(main()) == [("elsewhere", True)]
 
 
 def test_outputs_are_forwarded_only_once_the_stream_has_been_read():

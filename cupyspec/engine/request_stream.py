@@ -64,20 +64,22 @@ class RequestStream:
     The request is added on the first `anext` (`opening`), which raises what is wrong with it. Once
     added, `forward` may hand every later output to a callback instead, called from the step that
     makes it, which spares the caller a turn of the event loop per output. `aclose` (or dropping the
-    stream) aborts a request that has not finished, which frees its KV blocks.
+    stream) aborts a request that has not finished, which frees its KV blocks; a stream dropped on
+    another thread (a garbage collection there) aborts it on the event loop that added it.
     """
 
     def __init__(self, opening: Coroutine[Any, Any, RequestState] | None, abort: Callable[[str], None]) -> None:
         self._opening = opening
         self._abort = abort
         self._request: RequestState | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that added the request
         self._ended = False  # the last output or an error was read, or the stream closed
 
     @classmethod
     def of(cls, request: RequestState, abort: Callable[[str], None]) -> RequestStream:
         """The stream of a request added already."""
         stream = cls(None, abort)
-        stream._request = request
+        stream._request, stream._loop = request, asyncio.get_running_loop()
         return stream
 
     def __aiter__(self) -> RequestStream:
@@ -104,7 +106,7 @@ class RequestStream:
         if opening is None:
             raise RuntimeError("the request's stream was closed before it opened")
         try:
-            self._request = await opening
+            self._request, self._loop = await opening, asyncio.get_running_loop()
         except BaseException:
             self._ended = True
             raise
@@ -132,5 +134,13 @@ class RequestStream:
                 self._abort(request.request_id)
 
     def __del__(self) -> None:
-        if self._opening is not None or self._request is not None:
+        if self._opening is None and self._request is None:
+            return
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs on this thread
+            here = False
+        if here or self._request is None:  # never opened: closing its coroutine touches no engine state
             self._close()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._close)
