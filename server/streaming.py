@@ -159,8 +159,9 @@ def include_usage(options: StreamOptions | None) -> bool:
     return options is not None and bool(options.include_usage)
 
 
-def sse_event(payload: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+def sse_events(payloads: list[Any]) -> bytes:
+    """Each payload as a `data:` event."""
+    return b"".join(b"data: " + msgspec.json.encode(p) + b"\n\n" for p in payloads)
 
 
 class Job(Protocol):
@@ -183,7 +184,7 @@ class EventWriter:
     def write(self, payloads: list[Any]) -> None:
         if not payloads:
             return
-        data = b"".join(sse_event(p) for p in payloads)
+        data = sse_events(payloads)
         if self._transport is None or self._transport.is_closing():
             raise ConnectionResetError("the client left")
         self._transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
@@ -197,10 +198,10 @@ async def write_sse(request: web.Request, job: Job, streams: list[EngineStream])
     await response.prepare(request)
     try:
         try:
-            await response.write(b"".join(sse_event(c) for c in job.opening()))  # with the headers
+            await response.write(sse_events(job.opening()))  # with the headers
             writer = EventWriter(request, response)
             await deliver(streams, lambda index, output: writer.write(job.chunks(index, output)))
-            tail = b"".join(sse_event(c) for c in job.closing())
+            tail = sse_events(job.closing())
         except ConnectionResetError:
             raise
         except Exception as exc:  # noqa: BLE001 - headers are out: report in the stream
