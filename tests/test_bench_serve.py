@@ -145,6 +145,27 @@ def test_completions_without_usage_counts_chunks() -> None:
     assert fake.bodies[0]["model"] == "given" and isinstance(fake.bodies[0]["prompt"], str)
 
 
+def test_client_processes_share_the_prompts_and_return_every_record_in_prompt_order() -> None:
+    fake = FakeServer()
+    result = asyncio.run(with_server(fake, lambda url: config(url, num_prompts=6, max_concurrency=3, model="m",
+                                                              endpoint="completions", processes=2)))
+    summary, records = result["summary"], result["requests"]
+    assert summary["successful_requests"] == 6 and len(fake.bodies) == 6
+    assert summary["total_output_tokens"] == 6 * len(CHUNK_SIZES)
+    prompts = bd.load_prompts(config("x", num_prompts=6, endpoint="completions").dataset)
+    assert [r["prompt_chars"] for r in records] == [len(p.text) for p in prompts]
+    assert sorted(b["prompt"] for b in fake.bodies) == sorted(p.text for p in prompts)
+    assert 0 < summary["client_cpu_share"] < 1
+
+
+def test_client_process_shares_split_the_concurrency_and_the_rate() -> None:
+    base = config("x", num_prompts=10, max_concurrency=5, request_rate=6.0, processes=2)
+    assert [bs.client_share(base, i).max_concurrency for i in range(2)] == [3, 2]
+    assert {bs.client_share(base, i).request_rate for i in range(2)} == {3.0}
+    with pytest.raises(ValueError, match="processes"):
+        config("x", num_prompts=10, max_concurrency=2, processes=3)
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -10,11 +10,14 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
+import queue
 import random
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ class BenchConfig:
     warmup: int = 0  # untimed requests before the run
     result_file: Path | None = None
     progress: bool = True
+    processes: int = 1  # client processes sharing the prompts and the concurrency
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
@@ -54,6 +58,10 @@ class BenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not isinstance(self.extra_body, Mapping):
             raise ValueError(f"extra_body must be a JSON object, got {self.extra_body!r}")
+        most = min(self.dataset.num_prompts, self.max_concurrency or self.dataset.num_prompts)
+        if not 1 <= self.processes <= most:
+            raise ValueError(f"processes must be between 1 and the prompts and the concurrency ({most}), "
+                             f"got {self.processes}")
 
     @property
     def url(self) -> str:
@@ -206,6 +214,74 @@ async def run_requests(session: aiohttp.ClientSession, config: BenchConfig, mode
     return list(await asyncio.gather(*tasks))
 
 
+async def timed_run(session: aiohttp.ClientSession, config: BenchConfig, model: str, prompts: Sequence[BenchPrompt],
+                    progress: tqdm | None) -> tuple[list[RequestRecord], float, float]:
+    """`run_requests`, with its wall time and this process's CPU time, in seconds."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    records = await run_requests(session, config, model, prompts, progress)
+    return records, time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def client_share(config: BenchConfig, index: int) -> BenchConfig:
+    """Client process `index`'s part of the load: its share of the concurrency and the request rate."""
+    concurrency = config.max_concurrency
+    if concurrency is not None:
+        concurrency = concurrency // config.processes + (index < concurrency % config.processes)
+    return replace(config, max_concurrency=concurrency, request_rate=config.request_rate / config.processes,
+                   processes=1)
+
+
+async def run_in_processes(config: BenchConfig, model: str,
+                           prompts: Sequence[BenchPrompt]) -> tuple[list[RequestRecord], float, float]:
+    """The prompts dealt round-robin to `config.processes` client processes that start their clocks
+    together, so that one process's CPU does not bound the load: every record in prompt order, the
+    longest process's wall time and the busiest one's CPU time."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process whose event loop runs
+    start_together, results = context.Barrier(config.processes), context.Queue()
+    workers = [context.Process(target=client_process, daemon=True, args=(
+                   client_share(config, i), model, prompts[i::config.processes], start_together, results, i))
+               for i in range(config.processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        shares = await asyncio.to_thread(_gather_shares, workers, results)
+    finally:
+        for worker in workers:
+            worker.kill()
+    records: list[RequestRecord] = [None] * len(prompts)  # type: ignore[list-item]
+    for index, (share_records, _, _) in shares.items():
+        records[index::config.processes] = share_records
+    _, durations, cpu_times = zip(*shares.values())
+    return records, max(durations), max(cpu_times)
+
+
+def _gather_shares(workers: list[multiprocessing.Process],
+                   results: multiprocessing.Queue) -> dict[int, tuple[list[RequestRecord], float, float]]:
+    """Each client process's `timed_run` result by its index; raises if one exits without it."""
+    shares: dict[int, tuple[list[RequestRecord], float, float]] = {}
+    while len(shares) < len(workers):
+        try:
+            index, *result = results.get(timeout=1.0)
+            shares[index] = tuple(result)  # type: ignore[assignment]
+        except queue.Empty:
+            lost = [i for i, w in enumerate(workers) if w.exitcode is not None and i not in shares]
+            if lost:
+                raise RuntimeError(f"client process {lost[0]} exited with {workers[lost[0]].exitcode}")
+    return shares
+
+
+def client_process(config: BenchConfig, model: str, prompts: Sequence[BenchPrompt],
+                   start_together: Barrier, results: multiprocessing.Queue,
+                   index: int) -> None:
+    """One client process of `run_in_processes`: its prompts once every process is ready."""
+    async def run() -> tuple[list[RequestRecord], float, float]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await asyncio.to_thread(start_together.wait)
+            return await timed_run(session, config, model, prompts, None)
+
+    results.put((index, *asyncio.run(run())))
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (NumPy's default); `values` not empty."""
     ordered = sorted(values)
@@ -242,7 +318,8 @@ def speculation_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
 
 
 def summarize(records: Sequence[RequestRecord], duration: float, client_cpu_seconds: float) -> dict[str, Any]:
-    """client_cpu_seconds: this process's CPU time over the run; near `duration`, the client bounds the figures."""
+    """client_cpu_seconds: the (busiest) client process's CPU time over the run; near `duration`, the
+    client bounds the figures."""
     ok = [r for r in records if r.success]
     input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -285,12 +362,13 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
             if failed:
                 print(f"warning: {len(failed)} of {config.warmup} warm-up requests failed: {failed[0]}",
                       file=sys.stderr)
-        # disable=None: tqdm draws the bar only when stderr is a terminal
-        with tqdm(total=len(prompts), unit="req", postfix={"failed": 0}, file=sys.stderr,
-                  disable=None if config.progress else True) as progress:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            records = await run_requests(session, config, model, prompts, progress)
-            duration, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        if config.processes == 1:
+            # disable=None: tqdm draws the bar only when stderr is a terminal
+            with tqdm(total=len(prompts), unit="req", postfix={"failed": 0}, file=sys.stderr,
+                      disable=None if config.progress else True) as progress:
+                records, duration, cpu_seconds = await timed_run(session, config, model, prompts, progress)
+    if config.processes > 1:
+        records, duration, cpu_seconds = await run_in_processes(config, model, prompts)
     summary = summarize(records, duration, cpu_seconds)
     print(format_summary(summary))
     rate = config.request_rate if math.isfinite(config.request_rate) else "inf"  # JSON has no infinity
@@ -336,6 +414,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--result-file", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--processes", type=int, default=1,
+                   help="client processes sharing the prompts and the concurrency, where one process's CPU "
+                        "would bound the figures (client_cpu_share near 1); no progress bar then")
     a = p.parse_args(argv)
     try:
         dataset = DatasetSpec(name=a.dataset, num_prompts=a.num_prompts, endpoint=a.endpoint, path=a.dataset_path,
@@ -344,7 +425,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         return BenchConfig(dataset=dataset, base_url=a.base_url, model=a.model, request_rate=a.request_rate,
                            max_concurrency=a.max_concurrency, temperature=a.temperature, ignore_eos=a.ignore_eos,
                            extra_body=a.extra_body, seed=a.seed, timeout=a.timeout, warmup=a.warmup,
-                           result_file=a.result_file, progress=not a.no_progress)
+                           result_file=a.result_file, progress=not a.no_progress, processes=a.processes)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -8,8 +8,8 @@ GPU and on uvloop; only the model is replaced, by simulate_speculation.py's Scri
 the same scripted reply, and a step takes the H100's modeled device time. With `--device cuda` the
 model runs on the GPU instead, which compares the two modes on the same engine, workload and machine.
 Each round serves the same random-word chat prompts (`bench_serve.py --dataset random`, greedy, `ignore_eos`) twice:
-in-process through `AsyncEngine.chat`, then over HTTP from a `bench_serve.py` process against the
-server running in this process. Reported per mode: output tok/s and this process's CPU µs per
+in-process through `AsyncEngine.chat`, then over HTTP from `bench_serve.py` (`--client-processes` of
+them) against the server running in this process. Reported per mode: output tok/s and this process's CPU µs per
 output token (the engine's host work, plus the server's over HTTP). Wrap the command in
 `py-spy record` to see where the server's share goes.
 """
@@ -64,6 +64,7 @@ async def over_http(base_url: str, args: argparse.Namespace, concurrency: int, n
             "--num-prompts", str(num_prompts), "--random-input-len", str(args.input_words),
             "--max-tokens", str(args.max_tokens), "--max-concurrency", str(concurrency), "--ignore-eos",
             "--temperature", "0", "--warmup", "0", "--no-progress", "--result-file", str(result),
+            "--processes", str(args.client_processes),
             stdout=asyncio.subprocess.DEVNULL)
         if await process.wait():
             raise RuntimeError(f"bench_serve.py exited with {process.returncode}")
@@ -126,6 +127,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--sample-ms", type=float, default=0.04, help="device ms of sampling and the copy per step")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="bench_serve.py processes sharing the HTTP streams (its --processes)")
     p.add_argument("--event-loop", default="uvloop", choices=("uvloop", "asyncio"), help="as cupyspec-serve takes it")
     return p.parse_args()
 
