@@ -1,10 +1,9 @@
 // Weight matrices w [N, K] as the gemv kernels read them: fp16, or packed for weight-only
 // quantization (twin: cupyspec/model/quantized.py). Packed matrices hold groups of 32 weights along K,
-// K % 32 == 0:
+// K % 32 == 0, each with an fp16 scale and minimum (s, m) ([N, K/32, 2]):  w = fp16(fmaf(s, q, m))
 //
-//   wint8: q [N, K] int8 in [-127, 127] and one fp16 scale s per group ([N, K/32]):  w = fp16(s q)
-//   wint4: q [N, K/2] uint8, q of k and k + 1 in the low and high nibble of byte k/2, in [0, 15], and
-//          an fp16 scale and minimum (s, m) per group ([N, K/32, 2]):  w = fp16(fmaf(s, q, m))
+//   wint8: q [N, K] int8 (in [-127, 127] with m = 0, or in [0, 15])
+//   wint4: q [N, K/2] uint8, q of k and k + 1 in the low and high nibble of byte k/2, in [0, 15]
 //
 // in fp32, where s q is exact: the fp16 values of the GGUF Q8_0 and Q4_1 blocks of that layout.
 // A source gives 8 consecutive weights of one row (k % 8 == 0) in two steps, so that its loads stay
@@ -48,29 +47,35 @@ struct HalfWeights {  // w [N, K] fp16 (the scales argument is unused)
     __device__ __forceinline__ uint4 expand(const Raw& raw) const { return raw; }
 };
 
+// The 8 weights fmaf(s, q_i, m) of a group's scale and minimum, packed as halves: q(i) gives q_i.
+template <typename Q>
+__device__ __forceinline__ uint4 scaled(unsigned scale_min, Q q) {
+    const float s = __half2float(__ushort_as_half((unsigned short)(scale_min & 0xffff)));
+    const float m = __half2float(__ushort_as_half((unsigned short)(scale_min >> 16)));
+    unsigned out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        out[i] = pack(__float2half_rn(fmaf(q(2 * i), s, m)), __float2half_rn(fmaf(q(2 * i + 1), s, m)));
+    return uint4{out[0], out[1], out[2], out[3]};
+}
+
 struct Int8Weights {  // wint8
-    const signed char* q;           // [N, K]
-    const unsigned short* scales;   // [N, K/32] fp16
+    const signed char* q;       // [N, K]
+    const unsigned* scale_min;  // [N, K/32] pairs of fp16 (s, m), s in the low half
     int K;
     __device__ Int8Weights(const void* values, const void* s, int K)
-        : q(static_cast<const signed char*>(values)), scales(static_cast<const unsigned short*>(s)), K(K) {}
+        : q(static_cast<const signed char*>(values)), scale_min(static_cast<const unsigned*>(s)), K(K) {}
     struct Raw {
         uint2 q;
-        unsigned scale;
+        unsigned scale_min;
     };
     __device__ __forceinline__ Raw fetch(int row, int k) const {
-        return Raw{load_streaming_8(q + (size_t)row * K + k), __ldg(scales + (size_t)row * (K / 32) + k / 32)};
+        return Raw{load_streaming_8(q + (size_t)row * K + k), __ldg(scale_min + (size_t)row * (K / 32) + k / 32)};
     }
-    __device__ __forceinline__ uint4 expand(const Raw& raw) const {
-        const float s = __half2float(__ushort_as_half((unsigned short)raw.scale));
-        unsigned out[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // weights 2i, 2i + 1: bytes 2i % 4, 2i % 4 + 1 of word i / 2
-            const unsigned word = (i < 2 ? raw.q.x : raw.q.y) >> (16 * (i & 1));
-            out[i] = pack(__float2half_rn(__fmul_rn((float)(signed char)(word & 0xff), s)),
-                          __float2half_rn(__fmul_rn((float)(signed char)((word >> 8) & 0xff), s)));
-        }
-        return uint4{out[0], out[1], out[2], out[3]};
+    __device__ __forceinline__ uint4 expand(const Raw& raw) const {  // weight j: byte j % 4 of word j / 4
+        return scaled(raw.scale_min, [&](int j) {
+            return (float)(signed char)(((j < 4 ? raw.q.x : raw.q.y) >> (8 * (j & 3))) & 0xff);
+        });
     }
 };
 
@@ -87,15 +92,7 @@ struct Int4Weights {  // wint4
     __device__ __forceinline__ Raw fetch(int row, int k) const {
         return Raw{load_streaming_4(q + (size_t)row * (K / 2) + k / 2), __ldg(scale_min + (size_t)row * (K / 32) + k / 32)};
     }
-    __device__ __forceinline__ uint4 expand(const Raw& raw) const {
-        const float s = __half2float(__ushort_as_half((unsigned short)(raw.scale_min & 0xffff)));
-        const float m = __half2float(__ushort_as_half((unsigned short)(raw.scale_min >> 16)));
-        unsigned out[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // weights 2i, 2i + 1: the nibbles of byte i
-            const unsigned byte = (raw.q >> (8 * i)) & 0xff;
-            out[i] = pack(__float2half_rn(fmaf((float)(byte & 15), s, m)), __float2half_rn(fmaf((float)(byte >> 4), s, m)));
-        }
-        return uint4{out[0], out[1], out[2], out[3]};
+    __device__ __forceinline__ uint4 expand(const Raw& raw) const {  // weight j: nibble j % 2 of byte j / 2
+        return scaled(raw.scale_min, [&](int j) { return (float)((raw.q >> (4 * j)) & 15); });
     }
 };

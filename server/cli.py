@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode role: the most a prefill server's answer, or the read of a prompt's K/V, may "
                         "take before the next server is tried or the prompt is computed here")
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, type=str.lower,
-                   help="weight-only quantization of the decoder's matrices, packed on the device: wint8 (8-bit, "
-                        "a scale per 32 weights) or wint4 (4-bit, a scale and minimum per 32); default: fp16")
+                   help="weight-only quantization of the decoder's matrices, packed on the device: wint8 or wint4 "
+                        "(8 or 4 bits, a scale and minimum per 32 weights); default: fp16")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
