@@ -33,9 +33,11 @@ def _as_gguf_loads(w: np.ndarray, gguf_type: GGMLQuantizationType) -> np.ndarray
 
 
 def _mixed_weights(rows: int, depth: int, seed: int) -> np.ndarray:
-    """Weights whose even rows are Q4_1 blocks: wint8 packs both kinds of group."""
+    """Weights whose rows 0, 3, 6, ... are Q4_1 blocks and rows 1, 4, 7, ... Q4_0 blocks (negative
+    scales among them): each method packs groups of its every kind."""
     w = _weights(rows, depth, seed)
-    w[::2] = _as_gguf_loads(w[::2], GGMLQuantizationType.Q4_1)
+    w[0::3] = _as_gguf_loads(w[0::3], GGMLQuantizationType.Q4_1)
+    w[1::3] = _as_gguf_loads(w[1::3], GGMLQuantizationType.Q4_0)
     return w
 
 
@@ -64,9 +66,13 @@ def test_wint4_packs_two_weights_a_byte_the_lower_k_in_the_low_nibble() -> None:
 
 @pytest.mark.parametrize("gguf_type,method", [(GGMLQuantizationType.Q8_0, "wint8"),
                                               (GGMLQuantizationType.Q4_1, "wint4"),
-                                              (GGMLQuantizationType.Q4_1, "wint8")])
+                                              (GGMLQuantizationType.Q4_0, "wint4"),
+                                              (GGMLQuantizationType.Q4_1, "wint8"),
+                                              (GGMLQuantizationType.Q4_0, "wint8"),
+                                              (GGMLQuantizationType.Q5_1, "wint8"),
+                                              (GGMLQuantizationType.Q5_0, "wint8")])
 def test_gguf_blocks_come_back_exactly(gguf_type: GGMLQuantizationType, method: str) -> None:
-    """Q8_0 and Q4_1 weights as a GGUF file loads them (float32) pack into the same fp16 weights that
+    """Weights as a GGUF file of these blocks loads them (float32) pack into the same fp16 weights that
     the fp16 path puts on the GPU."""
     loaded = _as_gguf_loads(_weights(64, 8 * GROUP, seed=2), gguf_type)
     np.testing.assert_array_equal(dequantize(np, quantize(np, loaded, method, np.float16)), loaded.astype(np.float16))
@@ -76,10 +82,12 @@ def test_wint8_keeps_the_groups_16_levels_hold_and_scales_the_others_symmetrical
     w = _mixed_weights(6, 4 * GROUP, seed=7)
     packed = quantize(np, w, "wint8", np.float32)
     q = packed.values.reshape(6, 4, GROUP)  # [N, K/G, G]
-    offsets = packed.scales[..., 1]  # [N, K/G]
-    assert (q[::2].min(axis=2) == 0).all() and (q[::2].max(axis=2) == 15).all() and (offsets[::2] != 0).all()
-    assert (np.abs(q[1::2]).max(axis=2) == 127).all() and (offsets[1::2] == 0).all()
-    np.testing.assert_array_equal(dequantize(np, packed)[::2], w[::2].astype(np.float16).astype(np.float32))
+    scales, offsets = packed.scales[..., 0], packed.scales[..., 1]  # [N, K/G]
+    four_bit, other = [0, 1, 3, 4], [2, 5]
+    assert (q[four_bit] >= 0).all() and (q[four_bit] <= 15).all() and (offsets[four_bit] != 0).all()
+    assert (scales[1::3] < 0).any()  # a Q4_0 block whose largest magnitude is positive
+    assert (np.abs(q[other]).max(axis=2) == 127).all() and (offsets[other] == 0).all()
+    np.testing.assert_array_equal(dequantize(np, packed)[four_bit], w[four_bit].astype(np.float16).astype(np.float32))
 
 
 def test_rows_must_be_whole_groups() -> None:

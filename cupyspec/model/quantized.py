@@ -4,12 +4,12 @@ activations, the embedding and the LM head stay as they are.
 
 A packed matrix w [N, K] holds groups of GROUP weights along each row, each group integers q with an
 fp16 scale and minimum (s, m): w = s q + m, evaluated in fp32 (where s q is exact) and rounded to
-fp16. wint4 spans each group's minimum to maximum in 16 levels (q in [0, 15]): GGUF's Q4_1 blocks.
-wint8 scales each group symmetrically (m = 0, q in [-127, 127]: GGUF's Q8_0 blocks), but keeps a group
-that 16 levels hold exactly as wint4 would: a 4-bit file's blocks stay as they are. Quantizing
-recovers such blocks: a Q8_0 group (an entry of |q| = 127, as llama.cpp quantizes) comes back exactly
-as wint8, a Q4_1 group (entries of q = 0 and 15) as wint4 and wint8, so the packed weights give the
-fp16 weights those files load as. cuda/packed_weights.cuh reads them; `dequantize` is its twin.
+fp16. wint4 spans each group's minimum to maximum in 16 levels (q in [0, 15], as GGUF's Q4_1
+blocks); wint8 scales it symmetrically (m = 0, q in [-127, 127], as Q8_0). A group that a GGUF
+block of at most as many levels gives exactly keeps that block's levels (Q4_0 and Q4_1, and under
+wint8 Q5_0 and Q5_1 too), so the packed weights of such a file are the fp16 weights it loads as;
+Q8_0 blocks (an entry of |q| = 127, as llama.cpp quantizes) come back exactly under wint8.
+cuda/packed_weights.cuh reads them; `dequantize` is its twin.
 """
 
 from __future__ import annotations
@@ -55,48 +55,81 @@ def check_method(method: str | None, what: str) -> str | None:
 
 
 def quantize(xp: Any, w: np.ndarray, method: str, dtype: Any) -> QuantizedWeight:
-    """Pack host weights w [N, K] (K % GROUP == 0) by groups of GROUP, q rounded to nearest: wint4
-    spans each group's minimum to maximum in 15 steps; wint8 scales it by its largest magnitude over
-    127, unless the 15 steps give its fp16 weights exactly."""
+    """Pack host weights w [N, K] (K % GROUP == 0) by groups of GROUP, q rounded to nearest. A group
+    that a GGUF block layout of as many levels gives exactly keeps that block's s, m and q (wint4:
+    Q4_1, Q4_0; wint8: those and Q5_1, Q5_0); any other group spans its minimum to maximum in 15
+    steps (wint4), or is scaled by its largest magnitude over 127 (wint8, as Q8_0)."""
     rows, depth = w.shape
     if depth % GROUP:
         raise ValueError(f"{method} packs rows of a multiple of {GROUP} weights, not {depth}")
-    groups = np.asarray(w, dtype=np.float32).reshape(rows, depth // GROUP, GROUP)  # [N, K/G, G]
-    scale, offset, q = _levels(groups, 15, symmetric=False)  # [N, K/G] fp16 twice, [N, K/G, G]
-    if method == "wint8":
-        exact = (_weights(scale, offset, q) == groups.astype(np.float16)).all(axis=2)  # [N, K/G]
-        wide_scale, wide_offset, wide_q = _levels(groups, 127, symmetric=True)
-        scale, offset = np.where(exact, scale, wide_scale), np.where(exact, offset, wide_offset)
-        q = np.where(exact[..., None], q, wide_q)
+    groups = np.asarray(w, dtype=np.float32).reshape(-1, GROUP)  # [N K/G, G]
+    ordered = np.sort(groups, axis=1)
+    distinct = 1 + np.count_nonzero(ordered[:, 1:] != ordered[:, :-1], axis=1)  # [N K/G]: its distinct weights
+    scale, offset = np.zeros((2, len(groups)), np.float16)  # [N K/G] each
+    q = np.zeros(groups.shape, np.float32)  # [N K/G, G]
+    settled = np.zeros(len(groups), bool)
+    for levels, make_grid in EXACT_GRIDS[method]:  # the first that is exact wins
+        todo = np.flatnonzero(~settled & (distinct <= levels))  # groups that may lie on such a grid
+        grid_scale, grid_offset, grid_q = make_grid(groups[todo], levels)
+        exact = (_weights(grid_scale, grid_offset, grid_q) == groups[todo].astype(np.float16)).all(axis=1)
+        done = todo[exact]
+        scale[done], offset[done], q[done], settled[done] = grid_scale[exact], grid_offset[exact], grid_q[exact], True
+    rest = np.flatnonzero(~settled)
+    levels, make_grid = FALLBACK_GRIDS[method]
+    scale[rest], offset[rest], q[rest] = make_grid(groups[rest], levels)
     q = q.reshape(rows, depth)
     if method == "wint8":
         values = q.astype(np.int8)
     else:
         nibbles = q.astype(np.uint8)
         values = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-    return QuantizedWeight(xp.asarray(values), xp.asarray(np.stack([scale, offset], axis=2)), method, np.dtype(dtype))
+    scales = np.stack([scale, offset], axis=1).reshape(rows, depth // GROUP, 2)
+    return QuantizedWeight(xp.asarray(values), xp.asarray(scales), method, np.dtype(dtype))
 
 
-def _levels(groups: np.ndarray, levels: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each group's fp16 scale and minimum, and its q: symmetric, q in [-levels, levels] and m = 0;
-    else from the minimum to the maximum, q in [0, levels]."""
-    if symmetric:
-        scale = (np.abs(groups).max(axis=2) / levels).astype(np.float16)  # [N, K/G]
-        offset = np.zeros_like(scale)
-    else:
-        low = groups.min(axis=2)
-        scale = ((groups.max(axis=2) - low) / levels).astype(np.float16)
-        offset = low.astype(np.float16)
+Grid = tuple[np.ndarray, np.ndarray, np.ndarray]  # of groups [n, G]: fp16 s [n], fp16 m [n], q [n, G]
+
+
+def _range_grid(groups: np.ndarray, levels: int) -> Grid:
+    """From each group's minimum (q = 0) to its maximum: Q4_1 and Q5_1 blocks."""
+    low = groups.min(axis=1)
+    return _grid(groups, ((groups.max(axis=1) - low) / (levels - 1)).astype(np.float16), low.astype(np.float16),
+                 0, levels - 1)
+
+
+def _signed_grid(groups: np.ndarray, levels: int) -> Grid:
+    """The group's weight of largest magnitude at q = 0 and zero at q = levels / 2: Q4_0 and Q5_0."""
+    extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=1)[:, None], axis=1)[:, 0]  # [n]
+    scale = (extreme / -(levels // 2)).astype(np.float16)
+    return _grid(groups, scale, (scale.astype(np.float32) * -(levels // 2)).astype(np.float16), 0, levels - 1)
+
+
+def _symmetric_grid(groups: np.ndarray, levels: int) -> Grid:
+    """Zero at q = 0 and the group's largest magnitude at q = ±(levels // 2), m = 0: Q8_0 blocks."""
+    largest = levels // 2
+    scale = (np.abs(groups).max(axis=1) / largest).astype(np.float16)
+    return _grid(groups, scale, np.zeros_like(scale), -largest, largest)
+
+
+def _grid(groups: np.ndarray, scale: np.ndarray, offset: np.ndarray, lowest: int, highest: int) -> Grid:
+    """The groups' q on the grid of scale and offset, rounded to nearest and clipped to [lowest, highest]."""
     if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
         raise ValueError("quantization: weights beyond fp16's range")
-    step = scale.astype(np.float32)[..., None]  # [N, K/G, 1]
+    step = scale.astype(np.float32)[:, None]  # [n, 1]
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step > 0, np.rint((groups - offset.astype(np.float32)[..., None]) / step), 0)
-    return scale, offset, np.clip(q, -levels if symmetric else 0, levels)
+        q = np.where(step != 0, np.rint((groups - offset.astype(np.float32)[:, None]) / step), 0)
+    return scale, offset, np.clip(q, lowest, highest)
+
+
+# Per method, the GGUF block layouts kept where they are exact, as (levels of q, grid) in order; and
+# the grid of any other group.
+EXACT_GRIDS = {"wint4": [(16, _range_grid), (16, _signed_grid)],
+               "wint8": [(16, _range_grid), (16, _signed_grid), (32, _range_grid), (32, _signed_grid)]}
+FALLBACK_GRIDS = {"wint4": (16, _range_grid), "wint8": (255, _symmetric_grid)}
 
 
 def _weights(scale: Any, offset: Any, q: Any) -> Any:
-    """fp16(s q + m) of groups [N, K/G, G], computed in fp32 (s q is exact there)."""
+    """fp16(s q + m) of groups [..., G] with s and m [...], computed in fp32 (s q is exact there)."""
     return (q.astype(np.float32) * scale.astype(np.float32)[..., None]
             + offset.astype(np.float32)[..., None]).astype(np.float16)
 
