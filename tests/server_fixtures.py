@@ -1,5 +1,6 @@
 """A real engine behind the HTTP app on 127.0.0.1, run by an event loop in a background thread,
-so tests can talk to it over a socket with any client, synchronous or not.
+so tests can talk to it over a socket with any client, synchronous or not; and the parser of a
+streamed response's events.
 
 Import the fixtures into a test module: `from server_fixtures import tiny_server  # noqa: F401`.
 """
@@ -7,6 +8,7 @@ Import the fixtures into a test module: `from server_fixtures import tiny_server
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -86,6 +88,13 @@ class LiveServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             self._loop.close()
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON payloads of a streamed response's `data:` events, checking that it ends with [DONE]."""
+    blocks = text.split("\n\n")
+    assert blocks[-2:] == ["data: [DONE]", ""] and all(b.startswith("data: ") for b in blocks[:-1]), text[-300:]
+    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
 
 
 def tiny_config(model_dir: Path, **scheduler: Any) -> EngineConfig:

@@ -23,6 +23,7 @@ from server_fixtures import (
     TINY_MAX_WAITING,
     LiveServer,
     default_model_file,
+    sse_events,
     tiny_config,
     tiny_server,  # noqa: F401
 )
@@ -46,12 +47,6 @@ def http(server: LiveServer, method: str, path: str, body: object = None,
             return response.status, response.headers["Content-Type"], response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.headers["Content-Type"], error.read().decode()
-
-
-def sse_events(text: str) -> list[dict]:
-    blocks = text.split("\n\n")
-    assert blocks[-2:] == ["data: [DONE]", ""] and all(b.startswith("data: ") for b in blocks[:-1]), text[-300:]
-    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
 
 
 BAD_REQUESTS = [

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from scripted_streams import scripted_stream
-from server_fixtures import LiveServer, tiny_config
+from server_fixtures import LiveServer, sse_events, tiny_config
 from tiny_models import TinySpec, random_head_weights, write_head_file
 
 from cupyspec.engine.request_stream import RequestStream
@@ -114,12 +114,6 @@ def with_client(test: Callable[[TestClient], Awaitable[None]]) -> None:
         async with TestClient(TestServer(create_app(DraftScriptEngine()))) as client:  # type: ignore[arg-type]
             await test(client)
     asyncio.run(main())
-
-
-def sse_events(text: str) -> list[dict]:
-    blocks = text.split("\n\n")
-    assert blocks[-2:] == ["data: [DONE]", ""] and all(b.startswith("data: ") for b in blocks[:-1]), text[-300:]
-    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
 
 
 def post(client: TestClient, path: str, body: dict) -> Awaitable[Any]:

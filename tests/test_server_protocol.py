@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from scripted_streams import scripted_stream
+from server_fixtures import sse_events
 
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.logprobs.logprob_json import LogprobRenderer, VocabJSON
@@ -236,13 +237,6 @@ def with_client(test):  # noqa: ANN001, ANN201
         async with TestClient(TestServer(create_app(engine))) as client:  # type: ignore[arg-type]
             await test(client, engine)
     asyncio.run(main())
-
-
-def sse_events(text: str) -> list[dict]:
-    blocks = text.split("\n\n")
-    assert blocks[-2:] == ["data: [DONE]", ""], text[-200:]
-    assert all(b.startswith("data: ") for b in blocks[:-1])
-    return [json.loads(b[6:]) for b in blocks[:-2]]
 
 
 def test_completions_choices_per_prompt_and_usage() -> None:
