@@ -2,10 +2,11 @@
 // quantization (twin: cupyspec/model/quantized.py). Packed matrices hold groups of 32 weights along K,
 // K % 32 == 0, each with an fp16 scale and minimum (s, m) ([N, K/32, 2]):  w = fp16(fmaf(s, q, m))
 //
-//   wint8: q [N, K] int8 (in [-127, 127] with m = 0, or in [0, 15])
+//   wint8: q [N, K] int8 (in [-127, 127] with m = 0, or in [0, 31])
 //   wint4: q [N, K/2] uint8, q of k and k + 1 in the low and high nibble of byte k/2, in [0, 15]
 //
-// in fp32, where s q is exact: the fp16 values of the GGUF Q8_0 and Q4_1 blocks of that layout.
+// in fp32, where s q is exact: the fp16 values of GGUF blocks of these levels (Q8_0, Q5_0, Q5_1, Q4_0
+// and Q4_1; s may be negative).
 // A source gives 8 consecutive weights of one row (k % 8 == 0) in two steps, so that its loads stay
 // in flight meanwhile: fetch(row, k) issues them (a Raw value; Raw{} reads as zeros), expand(raw)
 // makes the 8 packed halves, the lower k in the lower half of each word.
