@@ -70,8 +70,9 @@ def quantize(xp: Any, w: np.ndarray, method: str, dtype: Any) -> QuantizedWeight
     settled = np.zeros(len(groups), bool)
     for levels, make_grid in EXACT_GRIDS[method]:  # the first that is exact wins
         todo = np.flatnonzero(~settled & (distinct <= levels))  # groups that may lie on such a grid
-        grid_scale, grid_offset, grid_q = make_grid(groups[todo], levels)
-        exact = (_weights(grid_scale, grid_offset, grid_q) == groups[todo].astype(np.float16)).all(axis=1)
+        candidates = groups if len(todo) == len(groups) else groups[todo]
+        grid_scale, grid_offset, grid_q = make_grid(candidates, levels)
+        exact = (_values(grid_scale, grid_offset, grid_q) == candidates).all(axis=1)  # [len(todo)]
         done = todo[exact]
         scale[done], offset[done], q[done], settled[done] = grid_scale[exact], grid_offset[exact], grid_q[exact], True
     rest = np.flatnonzero(~settled)
@@ -128,10 +129,10 @@ EXACT_GRIDS = {"wint4": [(16, _range_grid), (16, _signed_grid)],
 FALLBACK_GRIDS = {"wint4": (16, _range_grid), "wint8": (255, _symmetric_grid)}
 
 
-def _weights(scale: Any, offset: Any, q: Any) -> Any:
-    """fp16(s q + m) of groups [..., G] with s and m [...], computed in fp32 (s q is exact there)."""
-    return (q.astype(np.float32) * scale.astype(np.float32)[..., None]
-            + offset.astype(np.float32)[..., None]).astype(np.float16)
+def _values(scale: Any, offset: Any, q: Any) -> Any:
+    """s q + m in fp32 of groups [..., G] with s and m [...] (s q is exact there): the values a GGUF
+    file of such blocks loads as."""
+    return q.astype(np.float32) * scale.astype(np.float32)[..., None] + offset.astype(np.float32)[..., None]
 
 
 def dequantize(xp: Any, w: QuantizedWeight) -> Any:
@@ -149,5 +150,5 @@ def dequantize(xp: Any, w: QuantizedWeight) -> Any:
         q = w.values  # [N, K]
     else:
         q = xp.stack([w.values & 15, w.values >> 4], axis=2).reshape(rows, depth)
-    weights = _weights(w.scales[..., 0], w.scales[..., 1], q.reshape(rows, depth // GROUP, GROUP))  # [N, K/G, G]
-    return weights.reshape(rows, depth).astype(w.dtype)
+    weights = _values(w.scales[..., 0], w.scales[..., 1], q.reshape(rows, depth // GROUP, GROUP))  # [N, K/G, G]
+    return weights.reshape(rows, depth).astype(np.float16).astype(w.dtype)
