@@ -4,9 +4,9 @@
     python tools/bench_kernels.py --only linear    # the benches whose name starts with "linear"
 
 A bench times one kernel call on given shapes with CUDA events (after a warm-up, averaged over
-repeats) and reports the bytes it must move and the flops it must do; the table shows the achieved
-bandwidth and throughput against the device's peaks, so that a kernel far from both bounds is
-launch- or latency-bound.
+repeats; `chain` times a graph of dependent kernels, per kernel) and reports the bytes it must move
+and the flops it must do; the table shows the achieved bandwidth and throughput against the
+device's peaks, so that a kernel far from both bounds is launch- or latency-bound.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ class Case:
     """One timed call: its label, what it moves and computes, and the call itself."""
 
     label: str
-    bytes_moved: float
-    flops: float
+    bytes_moved: float  # per kernel
+    flops: float  # per kernel
     call: Callable[[], Any]
+    kernels: int = 1  # kernels one call runs: the time reported is a kernel's
 
 
 def time_call(call: Callable[[], Any], repeats: int) -> float:
@@ -165,8 +166,40 @@ def bench_logprobs() -> Iterator[Case]:
                    launch_top_logprobs(logits, p, n, k, *outs))
 
 
+CHAIN = 100  # kernels in bench_chain's graphs
+
+
+def bench_chain() -> Iterator[Case]:
+    """What a kernel costs in a CUDA graph when it waits for the one before, as a decode step's 150 or
+    so do: CHAIN products of one row with SmolLM2-135M's o matrix ([576, 576], the gemv of
+    cuda/gemv.cuh; its weights stay in L2), each multiplying the row the one before wrote, replayed as
+    one graph, with and without programmatic dependent launch (cupyspec/kernels.py)."""
+    import contextlib
+
+    import cupy
+    import numpy as np
+
+    from cupyspec.kernels import programmatic_launches
+    from cupyspec.model.linear import launch_gemv, weight_args
+
+    n = 576
+    w = (cupy.random.default_rng(0).standard_normal((n, n), dtype=np.float32) * n ** -0.5).astype(np.float16)
+    rows = [cupy.ones((1, n), np.float16), cupy.empty((1, n), np.float16)]  # [1, N] each, read and written in turn
+    for programmatic in (False, True):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream, programmatic_launches() if programmatic else contextlib.nullcontext():
+            stream.begin_capture()
+            for i in range(CHAIN):
+                launch_gemv("gemv_f16", w, (rows[i % 2], *weight_args(cupy, w), rows[1 - i % 2], np.int32(1),
+                                            np.int32(n), np.int32(n)))
+            graph = stream.end_capture()
+        launch = "programmatic" if programmatic else "plain"
+        yield Case(f"{CHAIN} o products M=1, {launch} launch", 2 * n * n, 2 * n * n, graph.launch, CHAIN)
+
+
 BENCHES: dict[str, Callable[[], Iterator[Case]]] = {
     "attention": bench_attention,
+    "chain": bench_chain,
     "linear": bench_linear,
     "logprobs": bench_logprobs,
     "packed": bench_packed,
@@ -184,7 +217,7 @@ def main() -> None:
         if args.only and not any(name.startswith(prefix) for prefix in args.only):
             continue
         for case in bench():
-            us = time_call(case.call, args.repeats)
+            us = time_call(case.call, args.repeats) / case.kernels
             bandwidth, flops = case.bytes_moved / (us * 1e-6), case.flops / (us * 1e-6)
             row = {"case": f"{name} {case.label}", "us": us, "GB/s": bandwidth / 1e9,
                    "hbm_fraction": bandwidth / PEAK_BYTES_PER_S, "TFLOP/s": flops / 1e12,
