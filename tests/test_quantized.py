@@ -90,9 +90,12 @@ def test_wint8_keeps_the_groups_16_levels_hold_and_scales_the_others_symmetrical
     np.testing.assert_array_equal(dequantize(np, packed)[four_bit], w[four_bit].astype(np.float16).astype(np.float32))
 
 
-def test_rows_must_be_whole_groups() -> None:
+def test_rows_must_be_whole_groups_within_fp16s_range() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(np, np.zeros((4, 48), np.float32), "wint8", np.float32)
+    for method in ("wint8", "wint4"):
+        with pytest.raises(ValueError, match=f"{method}: weights beyond fp16's range"):
+            quantize(np, np.full((1, GROUP), 1e8, np.float32), method, np.float32)
 
 
 @pytest.mark.parametrize("method", ["wint8", "wint4"])

@@ -68,16 +68,20 @@ def quantize(xp: Any, w: np.ndarray, method: str, dtype: Any) -> QuantizedWeight
     scale, offset = np.zeros((2, len(groups)), np.float16)  # [N K/G] each
     q = np.zeros(groups.shape, np.float32)  # [N K/G, G]
     settled = np.zeros(len(groups), bool)
-    for levels, make_grid in EXACT_GRIDS[method]:  # the first that is exact wins
-        todo = np.flatnonzero(~settled & (distinct <= levels))  # groups that may lie on such a grid
-        candidates = groups if len(todo) == len(groups) else groups[todo]
-        grid_scale, grid_offset, grid_q = make_grid(candidates, levels)
-        exact = (_values(grid_scale, grid_offset, grid_q) == candidates).all(axis=1)  # [len(todo)]
-        done = todo[exact]
-        scale[done], offset[done], q[done], settled[done] = grid_scale[exact], grid_offset[exact], grid_q[exact], True
-    rest = np.flatnonzero(~settled)
-    levels, make_grid = FALLBACK_GRIDS[method]
-    scale[rest], offset[rest], q[rest] = make_grid(groups[rest], levels)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # out of fp16's range: checked below
+        for levels, make_grid in EXACT_GRIDS[method]:  # the first that is exact wins
+            todo = np.flatnonzero(~settled & (distinct <= levels))  # groups that may lie on such a grid
+            candidates = groups if len(todo) == len(groups) else groups[todo]
+            grid_scale, grid_offset, grid_q = make_grid(candidates, levels)
+            exact = (_values(grid_scale, grid_offset, grid_q) == candidates).all(axis=1)  # [len(todo)]
+            done = todo[exact]
+            scale[done], offset[done], q[done] = grid_scale[exact], grid_offset[exact], grid_q[exact]
+            settled[done] = True
+        rest = np.flatnonzero(~settled)
+        levels, make_grid = FALLBACK_GRIDS[method]
+        scale[rest], offset[rest], q[rest] = make_grid(groups[rest], levels)
+    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
+        raise ValueError(f"{method}: weights beyond fp16's range")
     q = q.reshape(rows, depth)
     if method == "wint8":
         values = q.astype(np.int8)
@@ -114,11 +118,8 @@ def _symmetric_grid(groups: np.ndarray, levels: int) -> Grid:
 
 def _grid(groups: np.ndarray, scale: np.ndarray, offset: np.ndarray, lowest: int, highest: int) -> Grid:
     """The groups' q on the grid of scale and offset, rounded to nearest and clipped to [lowest, highest]."""
-    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
-        raise ValueError("quantization: weights beyond fp16's range")
     step = scale.astype(np.float32)[:, None]  # [n, 1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step != 0, np.rint((groups - offset.astype(np.float32)[:, None]) / step), 0)
+    q = np.where(step != 0, np.rint((groups - offset.astype(np.float32)[:, None]) / step), 0)
     return scale, offset, np.clip(q, lowest, highest)
 
 
