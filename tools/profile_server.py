@@ -4,14 +4,15 @@ driven in-process and through the server by `bench_serve.py`.
     python tools/profile_server.py --concurrency 64 256 --rounds 2
 
 The engine runs for real (scheduler, detokenizer, outputs), its steps on the event loop as on a
-GPU and on uvloop; only the model is replaced, by simulate_speculation.py's ScriptedDevice: every request gets
-the same scripted reply, and a step takes the H100's modeled device time. With `--device cuda` the
-model runs on the GPU instead, which compares the two modes on the same engine, workload and machine.
-Each round serves the same random-word chat prompts (`bench_serve.py --dataset random`, greedy, `ignore_eos`) twice:
-in-process through `AsyncEngine.chat`, then over HTTP from `bench_serve.py` (`--client-processes` of
-them) against the server running in this process. Reported per mode: output tok/s and this process's CPU µs per
-output token (the engine's host work, plus the server's over HTTP). Wrap the command in
-`py-spy record` to see where the server's share goes.
+GPU and on uvloop; only the model is replaced, by simulate_speculation.py's ScriptedDevice: every
+request gets the same scripted reply, and a step takes the H100's modeled device time. With
+`--device cuda` the model runs on the GPU instead, which compares the two modes on the same engine,
+workload and machine. Each round serves the same random-word chat prompts (`bench_serve.py --dataset
+random`, greedy, `ignore_eos`) twice: in-process through `AsyncEngine.chat`, then over HTTP from
+`bench_serve.py` (`--client-processes` of them) against the server running in this process.
+Reported per mode: output tok/s and this process's CPU µs per output token (the engine's host work,
+plus the server's over HTTP). Wrap the command in `py-spy record` to see where the server's share
+goes.
 """
 
 from __future__ import annotations
