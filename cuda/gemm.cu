@@ -47,7 +47,7 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) 
 
 // ---------------------------------------------------------------- gemv over fp16 weights
 
-GEMV_ENTRY_POINTS(, HalfWeights)
+GEMV_ENTRY_POINTS(, HalfWeights, __launch_bounds__(GEMV_WARPS * 32))
 
 // ---------------------------------------------------------------- gemm_tc: tensor-core tiles
 

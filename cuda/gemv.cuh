@@ -119,8 +119,8 @@ struct Rope {  // rows (i, i + D/2) of a qkv head: fp16 products, plus the fp32 
 
 #define GEMV_ROWS 16      // weight rows (outputs n) per block: the m16 of the mma
 #define GEMV_MAX_ROWS 8   // rows of x: the n8 of the mma
-#define GEMV_WARPS 12     // warps per block, splitting K: one round of loads for K <= 1536
-#define GEMV_UNROLL 4     // 32-wide K slices per warp with loads in flight
+// GEMV_WARPS (warps per block) and GEMV_UNROLL (slices a warp has in flight) are packed_weights.cuh's:
+// packed rows follow the gemv's rounds.
 
 static_assert(GEMV_WARPS >= GEMV_MAX_ROWS, "a warp per x row for the RMSNorm prologue");
 
@@ -180,15 +180,10 @@ __device__ __forceinline__ void gemv(const Source& source, const Weights& weight
     // hi_row), B column group (x row group); rows out of range are never read (zero values).
     const int slices = (K + 31) >> 5;
 
-    typename Weights::Raw lo[GEMV_UNROLL], hi[GEMV_UNROLL];
+    typename Weights::Raw lo, hi;  // slices first + GEMV_WARPS u (u < GEMV_UNROLL) of rows lo_row and hi_row
     auto load_weights = [&](int first) {
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int k = (first + u * GEMV_WARPS) * 32 + 8 * quad;
-            const bool k_ok = k < K;
-            lo[u] = k_ok && lo_ok ? weights.fetch(lo_row, k) : typename Weights::Raw{};
-            hi[u] = k_ok && hi_ok ? weights.fetch(hi_row, k) : typename Weights::Raw{};
-        }
+        lo = lo_ok ? weights.fetch(lo_row, first, quad) : typename Weights::Raw{};
+        hi = hi_ok ? weights.fetch(hi_row, first, quad) : typename Weights::Raw{};
     };
     release_dependent_grid();
     load_weights(warp);   // the first round of weights is in flight during the prologue, and with
@@ -209,7 +204,7 @@ __device__ __forceinline__ void gemv(const Source& source, const Weights& weight
         // mma are this lane's k 0-1, 2-3; of the second mma its k 4-5, 6-7 (the same for A and B).
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const uint4 a_lo = weights.expand(lo[u]), a_hi = weights.expand(hi[u]);
+            const uint4 a_lo = weights.expand(lo, u), a_hi = weights.expand(hi, u);
             mma_16816(acc, a_lo.x, a_hi.x, a_lo.y, a_hi.y, xv[u].x, xv[u].y);
             mma_16816(acc, a_lo.z, a_hi.z, a_lo.w, a_hi.w, xv[u].z, xv[u].w);
         }
@@ -234,28 +229,28 @@ __device__ __forceinline__ void gemv(const Source& source, const Weights& weight
 }
 
 // The gemv entry points over weights of one format, each name followed by SUFFIX: w and scales as
-// WEIGHTS (packed_weights.cuh) takes them. Grids: ceil(N / 16) blocks of 384 threads; x, residual
-// [M, K] with M <= 8.
+// WEIGHTS (packed_weights.cuh) takes them, with __launch_bounds__ BOUNDS. Grids: ceil(N / 16) blocks of
+// 384 threads; x, residual [M, K] with M <= 8.
 //   gemv_f16, gemv_add:  out [M, N] fp16 = x @ w.T;  residual [M, N] fp32 += fp16(x @ w.T)
 //   gemv_norm_swiglu:    out = swiglu(RMSNorm(residual) @ w.T): w [2F, K] gate rows first, F % 8 == 0;
 //                        out [M, F]
 //   gemv_norm_rope:      RoPE and the KV-cache write of qkv = RMSNorm(residual) @ w.T (+ bias):
 //                        w [(Hq + 2 Hkv) D, K], D % 16 == 0; q_out [M, Hq, D]; cos, sin [P, D/2];
 //                        positions, slots [M]
-#define GEMV_KERNEL extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-#define GEMV_ENTRY_POINTS(SUFFIX, WEIGHTS)                                                                      \
-    GEMV_KERNEL gemv_f16##SUFFIX(const half* __restrict__ x, const void* __restrict__ w,                        \
+#define GEMV_KERNEL(BOUNDS) extern "C" __global__ void BOUNDS
+#define GEMV_ENTRY_POINTS(SUFFIX, WEIGHTS, BOUNDS)                                                              \
+    GEMV_KERNEL(BOUNDS) gemv_f16##SUFFIX(const half* __restrict__ x, const void* __restrict__ w,                \
                                  const void* __restrict__ scales, half* __restrict__ out, int M, int N, int K)  \
     {                                                                                                         \
         gemv(HalfRows{x, K}, WEIGHTS(w, scales, K), M, N, K, GEMV_ROWS, Each<Store<half>>{{out, N}});        \
     }                                                                                                         \
-    GEMV_KERNEL gemv_add##SUFFIX(const half* __restrict__ x, const void* __restrict__ w,                        \
+    GEMV_KERNEL(BOUNDS) gemv_add##SUFFIX(const half* __restrict__ x, const void* __restrict__ w,                \
                                  const void* __restrict__ scales, float* __restrict__ residual, int M, int N,   \
                                  int K)                                                                        \
     {                                                                                                         \
         gemv(HalfRows{x, K}, WEIGHTS(w, scales, K), M, N, K, GEMV_ROWS, Each<AddToResidual>{{residual, N}}); \
     }                                                                                                         \
-    GEMV_KERNEL gemv_norm_swiglu##SUFFIX(const float* __restrict__ residual, const float* __restrict__ norm_weight, \
+    GEMV_KERNEL(BOUNDS) gemv_norm_swiglu##SUFFIX(const float* __restrict__ residual, const float* __restrict__ norm_weight, \
                                          float eps, const void* __restrict__ w, const void* __restrict__ scales, \
                                          half* __restrict__ out, int M, int N, int K)                          \
     {                                                                                                         \
@@ -263,7 +258,7 @@ __device__ __forceinline__ void gemv(const Source& source, const Weights& weight
         gemv(NormedRows{residual, norm_weight, eps, K, inv_rms}, WEIGHTS(w, scales, K), M, N, K, N,           \
              SwiGLU{out, N / 2});                                                                             \
     }                                                                                                         \
-    GEMV_KERNEL gemv_norm_rope##SUFFIX(const float* __restrict__ residual, const float* __restrict__ norm_weight, \
+    GEMV_KERNEL(BOUNDS) gemv_norm_rope##SUFFIX(const float* __restrict__ residual, const float* __restrict__ norm_weight, \
                                        float eps, const void* __restrict__ w, const void* __restrict__ scales,  \
                                        const float* __restrict__ bias, int has_bias, const float* __restrict__ cos, \
                                        const float* __restrict__ sin, const int* __restrict__ positions,       \

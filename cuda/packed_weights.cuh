@@ -1,19 +1,32 @@
 // Weight matrices w [N, K] as the gemv kernels read them: fp16, or packed for weight-only
 // quantization (twin: cupyspec/model/quantized.py). Packed matrices hold groups of 32 weights along K,
-// K % 32 == 0, each with an fp16 scale and minimum (s, m) ([N, K/32, 2]):  w = fp16(fmaf(s, q, m))
+// K % 32 == 0, each with an fp16 scale and minimum (s, m):  w = fp16(fmaf(s, q, m))
 //
-//   wint8: q [N, K] int8 (in [-127, 127] with m = 0, or in [0, 31])
-//   wint4: q [N, K/2] uint8, q of k and k + 1 in the low and high nibble of byte k/2, in [0, 15]
+//   wint8: q [N, K] int8 (in [-127, 127] with m = 0, or in [0, 31]), a word of 8 weights in 8 bytes
+//   wint4: q [N, K/2] uint8, q of k and k + 1 in the low and high nibble of a byte; a word in 4 bytes
+//   (s, m) [N, K4, 2] fp16, K4 = K/32 rounded up to a multiple of 4 (16-byte aligned rows)
 //
 // in fp32, where s q is exact: the fp16 values of GGUF blocks of these levels (Q8_0, Q5_0, Q5_1, Q4_0
 // and Q4_1; s may be negative).
-// A source gives 8 consecutive weights of one row (k % 8 == 0) in two steps, so that its loads stay
-// in flight meanwhile: fetch(row, k) issues them (a Raw value; Raw{} reads as zeros), expand(raw)
-// makes the 8 packed halves, the lower k in the lower half of each word.
+//
+// The gemv reads a row in rounds of GEMV_WARPS * GEMV_UNROLL slices of 32 k: in a round, warp w takes
+// slices w + GEMV_WARPS u (u < GEMV_UNROLL), and the lane of quad j the word at k = 8 j of each. A
+// packed row keeps each whole round in that order, so that one load brings a lane all its weights: the
+// word of lane (w, j) of slice u at position (4 w + j) GEMV_UNROLL + u of the round, the (s, m) of warp
+// w's slice u at w GEMV_UNROLL + u. The rest of the row, less than a round, stays in k order.
+//
+// A source gives a lane's weights of one row and round in two steps, so that its loads stay in flight
+// meanwhile: fetch(row, first, quad) issues them for slices first + GEMV_WARPS u (a Raw value; Raw{}
+// reads as zeros, as do slices past K), expand(raw, u) makes slice u's 8 packed halves, the lower k in
+// the lower half of each word.
 
 #pragma once
 
 #include <cuda_fp16.h>
+
+#define GEMV_WARPS 12     // warps per gemv block, splitting K: one round of loads for K <= 1536
+#define GEMV_UNROLL 4     // 32-wide K slices per warp with loads in flight
+#define ROUND (GEMV_WARPS * GEMV_UNROLL)  // slices of a round
 
 __device__ __forceinline__ unsigned pack(half lo, half hi) {
     return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
@@ -27,25 +40,68 @@ __device__ __forceinline__ uint4 load_streaming(const void* pointer) {
     return v;
 }
 
-__device__ __forceinline__ uint2 load_streaming_8(const void* pointer) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(pointer));
-    return v;
-}
-
 __device__ __forceinline__ unsigned load_streaming_4(const void* pointer) {
     unsigned v;
     asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(pointer));
     return v;
 }
 
-struct HalfWeights {  // w [N, K] fp16 (the scales argument is unused)
+struct HalfWeights {  // w [N, K] fp16, K % 8 == 0 (the scales argument is unused)
     const half* w;
     int K;
     __device__ HalfWeights(const void* values, const void*, int K) : w(static_cast<const half*>(values)), K(K) {}
-    using Raw = uint4;
-    __device__ __forceinline__ Raw fetch(int row, int k) const { return load_streaming(w + (size_t)row * K + k); }
-    __device__ __forceinline__ uint4 expand(const Raw& raw) const { return raw; }
+    struct Raw {
+        uint4 slice[GEMV_UNROLL];
+    };
+    __device__ __forceinline__ Raw fetch(int row, int first, int quad) const {
+        Raw raw{};
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int k = (first + u * GEMV_WARPS) * 32 + 8 * quad;
+            if (k < K) raw.slice[u] = load_streaming(w + (size_t)row * K + k);
+        }
+        return raw;
+    }
+    __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const { return raw.slice[u]; }
+};
+
+__device__ __forceinline__ size_t scale_row(int row, int K) { return (size_t)row * ((K / 32 + 3) / 4 * 4); }
+
+__device__ __forceinline__ unsigned component(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// The packed words (WORD bytes each: 8 weights) and (s, m) of a lane's slices first + GEMV_WARPS u of
+// one row (q and scale_min point at the row's): a whole round's words in 16-byte loads, the rest's
+// one by one in k order.
+template <int WORD>
+struct PackedLane {
+    static_assert(GEMV_UNROLL == 4, "a lane's words fill 16-byte loads");
+    uint4 words[WORD / 4];  // 32-bit word i of slice u: word u WORD / 4 + i
+    uint4 scale_min;        // slice u's: component u
+
+    __device__ __forceinline__ void fetch(const unsigned char* q, const unsigned* scale_min_row, int K, int first,
+                                          int quad) {
+        const int slices = K / 32, round = first - first % GEMV_WARPS, warp = first - round;
+        if (round + ROUND <= slices) {
+            const unsigned char* at = q + ((size_t)round * 4 + (4 * warp + quad) * GEMV_UNROLL) * WORD;
+#pragma unroll
+            for (int i = 0; i < WORD / 4; ++i) words[i] = load_streaming(at + 16 * i);
+            scale_min = __ldg(reinterpret_cast<const uint4*>(scale_min_row + round + warp * GEMV_UNROLL));
+            return;
+        }
+        unsigned* w = reinterpret_cast<unsigned*>(words);
+        unsigned* s = reinterpret_cast<unsigned*>(&scale_min);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int slice = first + u * GEMV_WARPS;
+            s[u] = slice < slices ? __ldg(scale_min_row + slice) : 0u;
+#pragma unroll
+            for (int i = 0; i < WORD / 4; ++i)
+                w[u * WORD / 4 + i] = slice < slices ? load_streaming_4(q + ((size_t)slice * 4 + quad) * WORD + 4 * i) : 0u;
+        }
+    }
+    __device__ __forceinline__ unsigned word(int u, int i) const {
+        return component(words[(u * WORD / 4 + i) / 4], (u * WORD / 4 + i) % 4);
+    }
 };
 
 // The 8 weights fmaf(s, q_i, m) of a group's scale and minimum, packed as halves: q(i) gives q_i.
@@ -61,39 +117,39 @@ __device__ __forceinline__ uint4 scaled(unsigned scale_min, Q q) {
 }
 
 struct Int8Weights {  // wint8
-    const signed char* q;       // [N, K]
-    const unsigned* scale_min;  // [N, K/32] pairs of fp16 (s, m), s in the low half
+    const unsigned char* q;     // [N, K]
+    const unsigned* scale_min;  // [N, K4] pairs of fp16 (s, m), s in the low half
     int K;
     __device__ Int8Weights(const void* values, const void* s, int K)
-        : q(static_cast<const signed char*>(values)), scale_min(static_cast<const unsigned*>(s)), K(K) {}
-    struct Raw {
-        uint2 q;
-        unsigned scale_min;
-    };
-    __device__ __forceinline__ Raw fetch(int row, int k) const {
-        return Raw{load_streaming_8(q + (size_t)row * K + k), __ldg(scale_min + (size_t)row * (K / 32) + k / 32)};
+        : q(static_cast<const unsigned char*>(values)), scale_min(static_cast<const unsigned*>(s)), K(K) {}
+    using Raw = PackedLane<8>;
+    __device__ __forceinline__ Raw fetch(int row, int first, int quad) const {
+        Raw raw;
+        raw.fetch(q + (size_t)row * K, scale_min + scale_row(row, K), K, first, quad);
+        return raw;
     }
-    __device__ __forceinline__ uint4 expand(const Raw& raw) const {  // weight j: byte j % 4 of word j / 4
-        return scaled(raw.scale_min, [&](int j) {
-            return (float)(signed char)(((j < 4 ? raw.q.x : raw.q.y) >> (8 * (j & 3))) & 0xff);
+    __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {  // weight j: byte j % 4 of word j / 4
+        const unsigned lo = raw.word(u, 0), hi = raw.word(u, 1);
+        return scaled(component(raw.scale_min, u), [&](int j) {
+            return (float)(signed char)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
         });
     }
 };
 
 struct Int4Weights {  // wint4
-    const unsigned char* q;    // [N, K/2]
-    const unsigned* scale_min;  // [N, K/32] pairs of fp16 (s, m), s in the low half
+    const unsigned char* q;     // [N, K/2]
+    const unsigned* scale_min;  // [N, K4] pairs of fp16 (s, m), s in the low half
     int K;
     __device__ Int4Weights(const void* values, const void* s, int K)
         : q(static_cast<const unsigned char*>(values)), scale_min(static_cast<const unsigned*>(s)), K(K) {}
-    struct Raw {
-        unsigned q;
-        unsigned scale_min;
-    };
-    __device__ __forceinline__ Raw fetch(int row, int k) const {
-        return Raw{load_streaming_4(q + (size_t)row * (K / 2) + k / 2), __ldg(scale_min + (size_t)row * (K / 32) + k / 32)};
+    using Raw = PackedLane<4>;
+    __device__ __forceinline__ Raw fetch(int row, int first, int quad) const {
+        Raw raw;
+        raw.fetch(q + (size_t)row * (K / 2), scale_min + scale_row(row, K), K, first, quad);
+        return raw;
     }
-    __device__ __forceinline__ uint4 expand(const Raw& raw) const {  // weight j: nibble j % 2 of byte j / 2
-        return scaled(raw.scale_min, [&](int j) { return (float)((raw.q >> (4 * j)) & 15); });
+    __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {  // weight j: nibble j % 2 of byte j / 2
+        const unsigned word = raw.word(u, 0);
+        return scaled(component(raw.scale_min, u), [&](int j) { return (float)((word >> (4 * j)) & 15); });
     }
 };

@@ -16,7 +16,7 @@ from golden import GOLDEN_PROMPTS, MAX_TOKENS, generate_greedy
 
 from cupyspec.config import EngineConfig
 from cupyspec.model.linear import add_linear, linear
-from cupyspec.model.quantized import GROUP, QuantizedWeight, dequantize, quantize
+from cupyspec.model.quantized import GROUP, ROUND, QuantizedWeight, dequantize, quantize
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 gpu = pytest.mark.gpu
@@ -61,6 +61,20 @@ def test_wint4_packs_two_weights_a_byte_the_lower_k_in_the_low_nibble() -> None:
     assert packed.values.dtype == np.uint8 and packed.values.shape == (2, GROUP // 2)
     assert packed.values[0, 0] == 0x10 and packed.values[0, 7] == 0xfe  # q 0, 1 and 14, 15
     np.testing.assert_array_equal(packed.scales[0, 0], np.array([1.0, 0.0], np.float16))
+    np.testing.assert_array_equal(dequantize(np, packed), w)
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+def test_whole_rounds_are_stored_in_the_order_the_gemv_lanes_read_them(method: str) -> None:
+    w = np.tile(np.arange((ROUND + 2) * GROUP, dtype=np.float32) % 16, (2, 1))  # q = k % 16, s = 1, m = 0
+    packed = quantize(np, w, method, np.float32)
+    word = 8 if method == "wint8" else 4  # bytes of 8 weights
+    q_0_to_7 = np.arange(8, dtype=np.uint8) if method == "wint8" else np.array([0x10, 0x32, 0x54, 0x76], np.uint8)
+    # the lane of warp 1, quad 2 reads slices 1 + 12 u; u = 3: slice 37, k = 37 * 32 + 16 .. + 23 (q 0..7)
+    np.testing.assert_array_equal(packed.values[1, word * ((4 * 1 + 2) * 4 + 3):][:word], q_0_to_7)
+    # past the whole round, slices in k order: slice 48, quad 0
+    np.testing.assert_array_equal(packed.values[1, word * 4 * ROUND:][:word], q_0_to_7)
+    assert packed.scales.shape == (2, ROUND + 4, 2) and not packed.scales[:, ROUND + 2:].any()  # 16-byte rows
     np.testing.assert_array_equal(dequantize(np, packed), w)
 
 
@@ -200,8 +214,10 @@ def test_quantized_models_pack_every_decoder_matrix_and_the_mtp_head(default_mod
 
 # ---------------------------------------------------------------- on a GPU
 
-# (N, K): SmolLM2-135M's qkv, o, gate_up, down; odd N, a K of a single group and one past 12 warps' slices
-GPU_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (131, 96), (17, 32), (200, 12 * 32 * 4 + 64)]
+# (N, K): SmolLM2-135M's qkv, o, gate_up, down (one whole round of the gemv); odd N, a K of a single group,
+# Ks past whole rounds, and one just short of a round that its padded scales would fill
+GPU_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (131, 96), (17, 32), (200, ROUND * GROUP + 64),
+              (40, 2 * ROUND * GROUP + 96), (24, (ROUND - 2) * GROUP)]
 
 
 def _on_device(w: np.ndarray, method: str) -> tuple[QuantizedWeight, Any]:

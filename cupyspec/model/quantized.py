@@ -9,7 +9,9 @@ blocks); wint8 scales it symmetrically (m = 0, q in [-127, 127], as Q8_0). A gro
 block of at most as many levels gives exactly keeps that block's levels (Q4_0 and Q4_1, and under
 wint8 Q5_0 and Q5_1 too), so the packed weights of such a file are the fp16 weights it loads as;
 Q8_0 blocks (an entry of |q| = 127, as llama.cpp quantizes) come back exactly under wint8.
-cuda/packed_weights.cuh reads them; `dequantize` is its twin.
+A row's whole rounds of ROUND slices of GROUP weights are stored in the order the gemv lanes read
+them (`to_round_order`), the rest in k order. cuda/packed_weights.cuh reads them; `dequantize` is
+its twin.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 from cupyspec.kernels import load_kernel
 
 GROUP = 32  # weights per scale along K (packed_weights.cuh assumes it)
+WARPS, UNROLL = 12, 4  # a gemv round: warps, and slices of GROUP weights each: GEMV_WARPS, GEMV_UNROLL
+ROUND = WARPS * UNROLL  # slices
 METHODS = ("wint8", "wint4")
 DEQUANTIZE_THREADS = 256
 
@@ -31,7 +35,8 @@ class QuantizedWeight:
     """A packed matrix [N, K] on the device; `dtype`: what its weights dequantize to (the backend's)."""
 
     values: Any  # wint8: q [N, K] int8; wint4: [N, K/2] uint8, q of k and k + 1 in the low and high nibble
-    scales: Any  # (s, m) [N, K/GROUP, 2] fp16
+    scales: Any  # (s, m) [N, K4, 2] fp16; K4: K/GROUP rounded up to a multiple of 4, zeros past K/GROUP
+    # (both in round order, `to_round_order`)
     method: str  # "wint8" | "wint4"
     dtype: Any
 
@@ -88,8 +93,31 @@ def quantize(xp: Any, w: np.ndarray, method: str, dtype: Any) -> QuantizedWeight
     else:
         nibbles = q.astype(np.uint8)
         values = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-    scales = np.stack([scale, offset], axis=1).reshape(rows, depth // GROUP, 2)
+    scales = to_round_order(np.stack([scale, offset], axis=1).reshape(rows, depth // GROUP, 2), 1)
+    scales = np.pad(scales, ((0, 0), (0, -scales.shape[1] % 4), (0, 0)))  # 16-byte rows: [N, K4, 2]
+    values = to_round_order(_words(values, method)).reshape(rows, -1)
     return QuantizedWeight(xp.asarray(values), xp.asarray(scales), method, np.dtype(dtype))
+
+
+def _words(values: Any, method: str) -> Any:
+    """values [N, K or K/2] as words of 8 weights: [N, K/8, 8 or 4 bytes]."""
+    return values.reshape(values.shape[0], -1, 8 if method == "wint8" else 4)
+
+
+def to_round_order(a: Any, words: int = 4, inverse: bool = False) -> Any:
+    """a [N, S * words, ...] of a row's S slices, `words` entries each (4 words of 8 weights, or 1 (s, m)
+    pair), with each whole round of ROUND slices in the gemv lanes' order: warp w's entry j of its slice
+    u, which is slice w + WARPS u of the round, at (w words + j) UNROLL + u. `inverse`: back to k order."""
+    rows, width = a.shape[:2]
+    full = width // (ROUND * words) * ROUND * words  # entries of whole rounds
+    k_order = (rows, -1, UNROLL, WARPS, words, *a.shape[2:])  # [N, rounds, u, w, j, ...]
+    kernel_order = (rows, -1, WARPS, words, UNROLL, *a.shape[2:])  # [N, rounds, w, j, u, ...]
+    head = a[:, :full].reshape(kernel_order if inverse else k_order)
+    head = head.transpose(0, 1, 4, 2, 3, *range(5, head.ndim)) if inverse else \
+        head.transpose(0, 1, 3, 4, 2, *range(5, head.ndim))
+    out = a.copy()
+    out[:, :full] = head.reshape(rows, full, *a.shape[2:])
+    return out
 
 
 Grid = tuple[np.ndarray, np.ndarray, np.ndarray]  # of groups [n, G]: fp16 s [n], fp16 m [n], q [n, G]
@@ -141,15 +169,14 @@ def dequantize(xp: Any, w: QuantizedWeight) -> Any:
     rows, depth = w.shape
     if xp is not np and w.dtype == np.float16:
         out = xp.empty((rows, depth), dtype=np.float16)  # [N, K]
-        chunks = rows * depth // 8
-        if chunks:
+        lanes = rows * -(-depth // (GROUP * ROUND)) * WARPS * 4  # each expands a gemv lane's 4 x 8 weights
+        if lanes:
             load_kernel("gemv_packed", f"dequantize_{w.method}")(
-                (-(-chunks // DEQUANTIZE_THREADS),), (DEQUANTIZE_THREADS,),
+                (-(-lanes // DEQUANTIZE_THREADS),), (DEQUANTIZE_THREADS,),
                 (w.values, w.scales, out, np.int32(rows), np.int32(depth)))
         return out
-    if w.method == "wint8":
-        q = w.values  # [N, K]
-    else:
-        q = xp.stack([w.values & 15, w.values >> 4], axis=2).reshape(rows, depth)
-    weights = _values(w.scales[..., 0], w.scales[..., 1], q.reshape(rows, depth // GROUP, GROUP))  # [N, K/G, G]
+    values = to_round_order(_words(w.values, w.method), inverse=True).reshape(rows, -1)  # [N, K or K/2] in k order
+    scales = to_round_order(w.scales[:, : depth // GROUP], 1, inverse=True)  # [N, K/G, 2]
+    q = values if w.method == "wint8" else xp.stack([values & 15, values >> 4], axis=2).reshape(rows, depth)
+    weights = _values(scales[..., 0], scales[..., 1], q.reshape(rows, depth // GROUP, GROUP))  # [N, K/G, G]
     return weights.reshape(rows, depth).astype(np.float16).astype(w.dtype)
