@@ -48,7 +48,8 @@ def test_engine_config_from_arguments() -> None:
     assert config.tensor_parallel_size == 2
     decode = engine_config(build_parser().parse_args(["--role", "decode", "--prefill-url", "http://a:1",
                                                       "--prefill-url", "http://b:2", "--prefill-timeout", "5"]))
-    assert (decode.role, decode.prefill_urls, decode.prefill_timeout_seconds) == ("decode", ("http://a:1", "http://b:2"), 5)
+    assert (decode.role, decode.prefill_urls, decode.prefill_timeout_seconds) == (
+        "decode", ("http://a:1", "http://b:2"), 5)
     assert (config.cache.block_size, config.cache.kv_cache_memory_bytes, config.cache.enable_prefix_caching) == (
         32, 64 * 2**20, False)
     s = config.scheduler

@@ -40,7 +40,8 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 async def make_engine(path: str, **spec) -> AsyncEngine:
     return await AsyncEngine.create(EngineConfig(
-        model=path, device="cpu", cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(max_num_batched_tokens=256),
+        model=path, device="cpu", cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256),
         speculative=SpeculativeConfig(**spec, cost_aware_backoff=False) if spec else SpeculativeConfig()))
 
 

@@ -392,7 +392,8 @@ def test_a_stop_string_inside_an_accepted_run_cuts_it_after_the_next_step_was_fo
         placed, place_tokens = [], engine.outputs.place_tokens
         engine.outputs.place_tokens = lambda sched, outputs: placed.append(place_tokens(sched, outputs)) or placed[-1]
         finished, on_finished = [], engine.outputs.on_sequence_finished
-        engine.outputs.on_sequence_finished = lambda seq: (finished.append(list(seq.output_token_ids)), on_finished(seq))
+        engine.outputs.on_sequence_finished = lambda seq: (finished.append(list(seq.output_token_ids)),
+                                                           on_finished(seq))
         results = []
         for prompt in prompts(3, 5):
             unstopped = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))

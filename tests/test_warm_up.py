@@ -46,7 +46,8 @@ def test_the_warm_up_verifies_drafts_then_leaves_no_trace(tiny_gguf, monkeypatch
         return [(r["tokens"], r["text"]) for r in results], fresh
 
     warm, fresh = asyncio.run(outputs(True))
-    assert during["requests"] == len(warm_up_module.WARM_UP_REQUESTS) + 1 and during["drafts"] > 0 and during["cost_steps"] > 0
+    assert during["requests"] == len(warm_up_module.WARM_UP_REQUESTS) + 1
+    assert during["drafts"] > 0 and during["cost_steps"] > 0
     assert fresh == (0, 0, 0, 0)
     cold, _ = asyncio.run(outputs(False))
     assert warm == cold

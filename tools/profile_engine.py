@@ -96,7 +96,8 @@ async def serve(engine: AsyncEngine, prompts: list, concurrency: int, endpoint: 
 
 
 async def main(args: argparse.Namespace) -> None:
-    config = EngineConfig(model=args.model, device=args.device, speculative=SpeculativeConfig.from_json(args.speculative_config),
+    config = EngineConfig(model=args.model, device=args.device,
+                          speculative=SpeculativeConfig.from_json(args.speculative_config),
                           scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency, 8)),
                           tensor_parallel_size=args.tensor_parallel_size)
     engine = await AsyncEngine.create(config)
@@ -177,7 +178,8 @@ async def main(args: argparse.Namespace) -> None:
               "us_per_step": 1e6 * seconds / steps, "eager_steps": eager[0],
               "mean_acceptance_length": totals["tokens"] / totals["steps"] if totals["steps"] else None,
               "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
-              "phases": {name: {"calls": timer.calls[name], "us_per_call": 1e6 * timer.seconds[name] / timer.calls[name],
+              "phases": {name: {"calls": timer.calls[name],
+                                "us_per_call": 1e6 * timer.seconds[name] / timer.calls[name],
                                 "us_per_step": 1e6 * timer.seconds[name] / steps}
                          for name in sorted(timer.calls, key=lambda n: -timer.seconds[n])}}
     report["by_running"] = by_running(trace)

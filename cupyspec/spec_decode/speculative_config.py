@@ -52,7 +52,8 @@ class SpeculativeConfig:
             if not ok:
                 raise ValueError(f"speculative config: {message}")
 
-        need(self.method is None or self.method in METHODS, f"method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        need(self.method is None or self.method in METHODS,
+             f"method must be one of {', '.join(METHODS)}, not {self.method!r}")
         need(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"num_speculative_tokens must be an integer from 0 to {MAX_SPECULATIVE_TOKENS}, "
              f"not {self.num_speculative_tokens!r}")
@@ -106,7 +107,8 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
         if data.get("method") is None:
             raise ValueError("speculative config: 'method' is required")
         return cls(**data)

@@ -16,7 +16,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    num_tested_tokens: int = 0  # verified drafts that decided a step: the accepted ones and each step's first rejected one
+    # verified drafts that decided a step: the accepted ones and each step's first rejected one
+    num_tested_tokens: int = 0
     num_proposals: int = 0  # times the proposer was asked for drafts
     num_hits: int = 0  # of those, times it proposed at least one
     # Recent per-draft acceptance, for the back-off rule: drafts accepted over drafts tested (the

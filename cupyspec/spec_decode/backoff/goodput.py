@@ -6,14 +6,15 @@ step's cost shows in another turn's wall time they misprice drafting: an MTP hea
 device in one step for the next, while the host works on the turn after, and where the host bounds
 the step its extra work on drafted tokens lands wherever it is done. So the turns are also taken in
 windows of WINDOW_TURNS per load band, each window in one mode, drafting (the rule decides) or off
-(nobody drafts). A window of the mode that does not lead, a trial, is compared on tokens emitted per second with the leading mode's windows on either side of it, whose
-mean cancels what drifts over seconds (a pause of the host, a burst of prompts, the load rising or
-draining). Windows are noisy still (at few sequences the text of one request), so every verdict is
-checked once more: a trial that emits more takes the lead, and the mode it took it from is tried
-again after one window; a trial that emits less is also tried again after one window, and only a
-mode that lost twice in a row waits long, in proportion to what it lost: a share d, d / TRIAL_SHARE
-windows (at most MAX_WAIT, so that a change of load is noticed within seconds). Its two trials then
-cost at most about 2 * TRIAL_SHARE of the time.
+(nobody drafts). A window of the mode that does not lead, a trial, is compared on tokens emitted per
+second with the leading mode's windows on either side of it, whose mean cancels what drifts over
+seconds (a pause of the host, a burst of prompts, the load rising or draining). Windows are noisy
+still (at few sequences the text of one request), so every verdict is checked once more: a trial
+that emits more takes the lead, and the mode it took it from is tried again after one window; a
+trial that emits less is also tried again after one window, and only a mode that lost twice in a
+row waits long, in proportion to what it lost: a share d, d / TRIAL_SHARE windows (at most MAX_WAIT,
+so that a change of load is noticed within seconds). Its two trials then cost at most about
+2 * TRIAL_SHARE of the time.
 """
 
 from __future__ import annotations

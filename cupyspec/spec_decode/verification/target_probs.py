@@ -92,8 +92,8 @@ def draft_scores(xp: Any, target: TargetRows, layout: DraftLayout, draft_probs: 
             q = hit.astype(xp.float64)  # [Sd, V]
         else:
             index = target.drawn_drafts
-            q = xp.take_along_axis(draft_probs[to_device(xp, layout.request[index]), to_device(xp, layout.position[index])]
-                                   .astype(xp.float64), order, axis=1)  # [Sd, V] in rank order
+            drawn = draft_probs[to_device(xp, layout.request[index]), to_device(xp, layout.position[index])]  # [Sd, V]
+            q = xp.take_along_axis(drawn.astype(xp.float64), order, axis=1)  # [Sd, V] in rank order
         residual = xp.maximum(p - q, 0.0)  # [Sd, V]
         residual = xp.where(residual.sum(axis=1, keepdims=True) > 0, residual, p)
         ranks = inverse_cdf(xp, residual, row_uniforms(xp, rows, layout.rows[target.drawn_drafts]))  # [Sd]

@@ -157,7 +157,8 @@ def _accepted(xp: Any, strategy: str, target: TargetRows, layout: DraftLayout,
     if inp.draft_probs is None:
         q_draft = 1.0
     else:
-        q_draft = inp.draft_probs[to_device(xp, layout.request), to_device(xp, layout.position), draft].astype(xp.float64)
+        request, position = to_device(xp, layout.request), to_device(xp, layout.position)  # [D] each
+        q_draft = inp.draft_probs[request, position, draft].astype(xp.float64)
     u = to_device(xp, inp.extra_uniforms[layout.rows])  # [D]
     return u * q_draft < p_draft, residual_pick
 
