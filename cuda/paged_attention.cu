@@ -6,8 +6,8 @@
 // NumPy twin: cupyspec/model/attention.py (paged_attention).
 //
 // Work split. A CTA of WARPS warps serves one row and HEADS query heads of one KV head's GQA group,
-// so that each K/V row is read once for all of them. The row's positions are cut into partitions of
-// PARTITION positions, a partition into tiles that go round-robin to the warps. In a warp, a group of
+// so that each K/V row is read once for all of them. The row's positions are cut into partitions
+// (partition_size), a partition into tiles that go round-robin to the warps. In a warp, a group of
 // LANES lanes reads one position's K/V row (16 bytes a lane, STEP positions at once) and keeps its own
 // online softmax over the positions it reads. At the end of a partition the lane groups merge by
 // shuffles, then the warps through shared memory, in a fixed order. Launches of few rows take CTAs of
@@ -30,7 +30,7 @@
 
 #define WARP 32
 #define FULL_MASK 0xffffffffu
-#define PARTITION 256  // positions per partition; PARTITION in cupyspec/model/attention.py
+#define PARTITION 256  // positions per partition, but see partition_size
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
 
@@ -47,6 +47,16 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer) {
 __device__ __forceinline__ float half_at(uint4 raw, int i) {  // the i-th of 8 packed halves
   const unsigned int word = i < 2 ? raw.x : i < 4 ? raw.y : i < 6 ? raw.z : raw.w;
   return __half2float(__ushort_as_half((unsigned short)(i % 2 ? word >> 16 : word & 0xffffu)));
+}
+
+// Positions per partition of a row of `len` positions (partition_size in cupyspec/model/attention.py).
+// CTAs of 4 warps (launches of many rows, whose CTAs fill the GPU) take PARTITION. CTAs of 8 warps
+// cut a row of more than PARTITION and at most 4 * PARTITION positions into partitions of half as
+// many, which spreads it over twice as many CTAs: a shorter row stays one partition, with nothing to
+// fold, and a longer one has enough partitions already.
+template <int WARPS>
+__device__ __forceinline__ int partition_size(int len) {
+  return WARPS == 8 && len > PARTITION && len <= 4 * PARTITION ? PARTITION / 2 : PARTITION;
 }
 
 // Merging two softmax states (max, sum, accumulator) with maxima m1 and m2: the new maximum and the
@@ -104,7 +114,8 @@ __device__ __forceinline__ void attend(
   release_dependent_grid();
   const int row = gridDim.x - 1 - blockIdx.x;  // the longest rows of a prefill chunk start first
   const int last = positions[row];
-  const int num_parts = last / PARTITION + 1;
+  const int partition = partition_size<WARPS>(last + 1);
+  const int num_parts = last / partition + 1;
   const bool split = gridDim.z > 1;
   if (blockIdx.z >= num_parts) return;
   const int group = num_heads / num_kv_heads, chunks = gridDim.y / num_kv_heads;
@@ -115,14 +126,14 @@ __device__ __forceinline__ void attend(
   const bool dims_ok = slice * 8 < head_dim;
   const int p_begin = blockIdx.z, p_end = split ? p_begin + 1 : num_parts;
   auto kv_at = [&](int p, int offset, int dim) {  // element `dim` of the K/V row at `offset` in partition p
-    const int pos = p * PARTITION + offset, first_block = (p * PARTITION) >> log2_block_size;
+    const int pos = p * partition + offset, first_block = (p * partition) >> log2_block_size;
     const size_t slot = ((size_t)blocks_s[(pos >> log2_block_size) - first_block] << log2_block_size) +
                         (pos & ((1 << log2_block_size) - 1));
     return (slot * num_kv_heads + kv_head) * head_dim + dim;
   };
-  auto partition_len = [&](int p) { return min(PARTITION, last + 1 - p * PARTITION); };  // positions of partition p
+  auto partition_len = [&](int p) { return min(partition, last + 1 - p * partition); };  // positions of partition p
   auto stage = [&](int p) {  // partition p's KV blocks into blocks_s; split, its K/V rows into L2 at once
-    const int start = p * PARTITION, len = partition_len(p);
+    const int start = p * partition, len = partition_len(p);
     const int first_block = start >> log2_block_size;
     for (int i = threadIdx.x; i <= ((start + len - 1) >> log2_block_size) - first_block; i += THREADS)
       blocks_s[i] = table[first_block + i];

@@ -72,7 +72,7 @@ def test_paged_attention_rows_are_batch_independent(shape):
 
     heads, kv_heads, dim, block_size = shape
     rng = np.random.default_rng(7)
-    segments = [(1, 3999), (6, 994), (300, 0), (1, 10), (5, 250), (1, 255), (1, 256)]
+    segments = [(1, 3999), (6, 1020), (300, 0), (1, 10), (5, 250), (1, 255), (1, 256)]  # about partition_size's ends
     q, k, v, tables, batch_ids, positions = attention_inputs(rng, segments, heads, kv_heads, dim, block_size,
                                                              4000 // block_size + 1)
     scale = dim ** -0.5

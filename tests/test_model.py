@@ -85,3 +85,15 @@ def test_ragged_batch_gives_each_request_its_own_logits(tiny):
     expected = [alone[0][10:], alone[1][5:9], alone[2], alone[3][12:]]
     for got, want in zip(mixed, expected):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_split_attention_grid_is_as_deep_as_any_rows_partitions() -> None:
+    """most_partitions, the depth of a split attention launch, is the most partitions of any row up to
+    the block table's length, across the lengths where partition_size changes."""
+    from cupyspec.model.attention import PARTITION, most_partitions, partition_size
+
+    for warps in (4, 8):
+        for max_length in (1, PARTITION, PARTITION + 1, 3 * PARTITION, 4 * PARTITION, 4 * PARTITION + 1, 8192):
+            most = max(-(-n // partition_size(warps, n)) for n in range(1, max_length + 1))
+            assert most_partitions(warps, max_length) == most, (warps, max_length)
+    assert most_partitions(8, 4 * PARTITION + 1) == 8 > most_partitions(4, 4 * PARTITION + 1)

@@ -15,8 +15,8 @@ import numpy as np
 
 from cupyspec.kernels import load_kernel
 
-PARTITION = 256  # positions per partition: PARTITION in cuda/paged_attention.cu
 FEW_ROWS = 16  # launches of up to this many rows take CTAs of 8 warps, others of 4; a CUDA-graph bucket
+PARTITION = 256  # positions per partition, but see partition_size: PARTITION in cuda/paged_attention.cu
 HEADS_PER_CTA = (1, 2, 3, 4, 6, 8)  # the kernel's instantiations: query heads of a GQA group per CTA
 SPLIT_BELOW_CTAS = 512  # split positions across CTAs when the rows alone give fewer CTAs (~4 per SM)
 MAX_SPLIT_WORKSPACE = 64 << 20  # ... and the partition states fit in these many bytes
@@ -66,10 +66,10 @@ def paged_attention_cuda(
 ) -> Any:  # [T, Hq, D] fp16
     """The kernel of cuda/paged_attention.cu (same semantics as the twin).
 
-    One CTA per (row, KV head, chunk of its query heads) folds the row's partitions of PARTITION
-    positions. When the rows alone would underfill the GPU, the grid also spans the most partitions
-    a row of block_tables can have (flash-decoding), and the last CTA of a row to finish folds them;
-    both paths give a row the same bits, so the grid depends on T and the shapes only, never on the data.
+    One CTA per (row, KV head, chunk of its query heads) folds the row's partitions (partition_size).
+    When the rows alone would underfill the GPU, the grid also spans the most partitions a row of
+    block_tables can have (flash-decoding), and the last CTA of a row to finish folds them; both
+    paths give a row the same bits, so the grid depends on T and the shapes only, never on the data.
     Up to FEW_ROWS rows a CTA has 8 warps (a warp's tiles come in turn: fewer of them each pays where
     the CTAs are few), else 4 (fewer warps' states to fold where the CTAs fill the GPU). A row's bits
     depend on that choice, which a CUDA graph's padding to its bucket does not change.
@@ -86,14 +86,14 @@ def paged_attention_cuda(
     chunks = -(-group // HEADS_PER_CTA[-1])  # CTAs per KV head
     heads = next(h for h in HEADS_PER_CTA if h * chunks >= group)
     padded_dim = 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128
-    partitions = -(-block_tables.shape[1] * block_size // PARTITION)  # the most a row can have
+    warps = 8 if num_tokens <= FEW_ROWS else 4
+    partitions = most_partitions(warps, block_tables.shape[1] * block_size)
     split = (partitions > 1 and num_tokens * num_kv_heads * chunks < SPLIT_BELOW_CTAS
              and num_tokens * num_heads * partitions * (head_dim + 2) * 4 <= MAX_SPLIT_WORKSPACE)
     parts = partitions if split else 0
     partial_acc = cupy.empty((num_tokens, num_heads, parts, head_dim), dtype=cupy.float32)  # [T, Hq, P, D]
     partial_stats = cupy.empty((num_tokens, num_heads, parts, 2), dtype=cupy.float32)  # [T, Hq, P, (max, sum)]
     out = cupy.empty_like(q)  # [T, Hq, D]
-    warps = 8 if num_tokens <= FEW_ROWS else 4
     kernel = load_kernel("paged_attention", f"paged_attention_d{padded_dim}_h{heads}_w{warps}")
     arrivals = _arrivals(q.device.id, cupy.cuda.get_current_stream().ptr)
     kernel((num_tokens, num_kv_heads * chunks, max(parts, 1)), (32 * warps,),
@@ -101,6 +101,20 @@ def paged_attention_cuda(
             arrivals, np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
             np.int32(block_size.bit_length() - 1), np.int32(block_tables.shape[1]), np.float32(scale)))
     return out
+
+
+def partition_size(warps: int, length: int) -> int:
+    """Positions per partition of a row of `length` positions in a CTA of `warps` warps: PARTITION,
+    but half of it for a row of more than one and at most four PARTITIONs in 8 warps (the kernel's
+    partition_size has the reasons)."""
+    return PARTITION // 2 if warps == 8 and PARTITION < length <= 4 * PARTITION else PARTITION
+
+
+def most_partitions(warps: int, max_length: int) -> int:
+    """The most partitions a row of up to `max_length` positions has: the depth of a split grid. Within
+    each range of partition_size the count grows with the length, so the most is at either end."""
+    lengths = (max_length, min(max_length, 4 * PARTITION))
+    return max(-(-n // partition_size(warps, n)) for n in lengths)
 
 
 @functools.cache
