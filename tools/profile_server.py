@@ -78,15 +78,15 @@ async def start_engine(args: argparse.Namespace) -> AsyncEngine:
     if args.device == "cuda":
         engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cuda", scheduler=scheduler,
                                                        cache=CacheConfig(kv_cache_memory_bytes=GPU_KV_BYTES)))
-        settle_garbage_collector()
-        return engine
-    step_loop.StepThread = lambda name: worker.InlineSteps()  # steps on the event loop, as on a GPU
-    engine = await AsyncEngine.create(EngineConfig(model=args.model, device="cpu", warm_up=False, scheduler=scheduler,
-                                                   cache=CacheConfig(kv_cache_memory_bytes=SIMULATED_KV_BYTES)))
+    else:
+        step_loop.StepThread = lambda name: worker.InlineSteps()  # steps on the event loop, as on a GPU
+        engine = await AsyncEngine.create(EngineConfig(
+            model=args.model, device="cpu", warm_up=False, scheduler=scheduler,
+            cache=CacheConfig(kv_cache_memory_bytes=SIMULATED_KV_BYTES)))
+        device = ScriptedDevice(engine, args.sample_ms, verify_ms=0.0)
+        reply = np.random.default_rng(0).integers(100, 40000, 4096).tolist()  # any request's prompt + reply
+        device.scripts = defaultdict(lambda: reply)
     settle_garbage_collector()
-    device = ScriptedDevice(engine, args.sample_ms, verify_ms=0.0)
-    reply = np.random.default_rng(0).integers(100, 40000, 4096).tolist()  # any request's prompt + reply
-    device.scripts = defaultdict(lambda: reply)
     return engine
 
 
