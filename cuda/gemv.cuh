@@ -16,16 +16,8 @@
 #pragma once
 
 #include "decoder.cuh"
+#include "mma.cuh"
 #include "packed_weights.cuh"
-
-// d += a (16x16, row-major) * b (16x8, column-major), fp16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // 16 bytes read by every block (activations): through the read-only cache.
 __device__ __forceinline__ uint4 load_cached(const half* pointer) {

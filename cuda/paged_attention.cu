@@ -2,18 +2,18 @@
 //
 // Row t (a query token) of request b = batch_id_per_token[t] at position p = positions[t] attends to
 // the cached positions 0..p of b, whose K/V sit in the blocks block_tables[b, :]. Any mix of prefill
-// chunks, verify segments and decode tokens runs in one launch. Softmax in fp32.
+// chunks, verify segments and decode tokens runs in one launch. Scores and softmax in fp32, the
+// weights rounded to fp16 for the product with V.
 // NumPy twin: cupyspec/model/attention.py (paged_attention).
 //
 // Work split. A CTA of WARPS warps serves one row and HEADS query heads of one KV head's GQA group,
 // so that each K/V row is read once for all of them. The row's positions are cut into partitions
-// (partition_size), a partition into tiles that go round-robin to the warps. In a warp, a group of
-// LANES lanes reads one position's K/V row (16 bytes a lane, STEP positions at once) and keeps its own
-// online softmax over the positions it reads. At the end of a partition the lane groups merge by
-// shuffles, then the warps through shared memory, in a fixed order. Launches of few rows take CTAs of
-// 8 warps, so that a warp waits for fewer tiles in turn; other launches CTAs of 4, which fold fewer
-// warps' states per partition. The wrapper picks the warps on the number of rows only
-// (cupyspec/model/attention.py).
+// (partition_size), a partition into tiles of 16 positions that go round-robin to the warps. A warp
+// takes a tile on the tensor cores: the scores S = Q K^T of its heads (the rows of an m16 fragment)
+// and then O^T += V^T P^T, with an online softmax per head. At the end of a partition the warps
+// merge through shared memory, in a fixed order. Launches of few rows take CTAs of 8 warps, so that
+// a warp waits for fewer tiles in turn; other launches CTAs of 4, which fold fewer warps' states per
+// partition. The wrapper picks the warps on the number of rows only (cupyspec/model/attention.py).
 //
 // Partitions are folded left to right. With gridDim.z == 1 a CTA folds all its row's partitions
 // itself. With gridDim.z == the most partitions a row can have (flash-decoding: few rows, long
@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 
 #include "grid_dependency.cuh"
+#include "mma.cuh"
 
 #define WARP 32
 #define FULL_MASK 0xffffffffu
@@ -44,9 +45,21 @@ __device__ __forceinline__ void prefetch_l2(const void* pointer) {
   asm volatile("prefetch.global.L2 [%0];" :: "l"(pointer));
 }
 
-__device__ __forceinline__ float half_at(uint4 raw, int i) {  // the i-th of 8 packed halves
-  const unsigned int word = i < 2 ? raw.x : i < 4 ? raw.y : i < 6 ? raw.z : raw.w;
-  return __half2float(__ushort_as_half((unsigned short)(i % 2 ? word >> 16 : word & 0xffffu)));
+// Halves [dim, dim + 2 * WORDS) of a row as WORDS words (2, or a multiple of 4), zero past head_dim
+// (a multiple of 8) or where !ok.
+template <int WORDS>
+__device__ __forceinline__ void load_row(unsigned (&words)[WORDS], const half* row, int dim, int head_dim, bool ok) {
+  if constexpr (WORDS == 2) {
+    const uint2 raw = ok && dim < head_dim ? __ldg(reinterpret_cast<const uint2*>(row + dim)) : make_uint2(0, 0);
+    words[0] = raw.x, words[1] = raw.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < WORDS / 4; ++i) {
+      const uint4 raw = ok && dim + 8 * i < head_dim ? __ldg(reinterpret_cast<const uint4*>(row + dim + 8 * i))
+                                                     : make_uint4(0, 0, 0, 0);
+      words[4 * i] = raw.x, words[4 * i + 1] = raw.y, words[4 * i + 2] = raw.z, words[4 * i + 3] = raw.w;
+    }
+  }
 }
 
 // Positions per partition of a row of `len` positions (partition_size in cupyspec/model/attention.py).
@@ -99,10 +112,7 @@ __device__ __forceinline__ void attend(
     float2* __restrict__ partial_stats,          // [T, Hq, gridDim.z] (max, sum) when gridDim.z > 1
     int* __restrict__ arrivals,                  // [T, gridDim.y] zeros when gridDim.z > 1, left zero
     int num_heads, int num_kv_heads, int head_dim, int log2_block_size, int max_blocks, float scale) {
-  constexpr int LANES = DP / 8;                // lanes per K/V row, 8 dims each
-  constexpr int STEP = WARP / LANES;           // positions a warp reads at once
-  constexpr int UNROLL = HEADS <= 4 ? 4 : 2;   // steps per tile: loads in flight against registers
-  constexpr int TILE = UNROLL * STEP;          // positions of a tile
+  constexpr int TILE = 16;  // positions a warp takes at once: two n8 tiles of S, the k16 of P V
   constexpr int THREADS = WARPS * WARP;
   constexpr int ELEMS = (HEADS * DP + THREADS - 1) / THREADS;  // output elements per thread
   __shared__ int blocks_s[PARTITION];                          // the partition's KV blocks
@@ -122,8 +132,13 @@ __device__ __forceinline__ void attend(
   const int kv_head = blockIdx.y / chunks, first = (blockIdx.y % chunks) * HEADS;  // in the group
   const int* table = block_tables + (size_t)batch_id_per_token[row] * max_blocks;
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const int slice = lane % LANES, sub = lane / LANES;  // dims 8*slice.., position sub of a step
-  const bool dims_ok = slice * 8 < head_dim;
+  const int g = lane / 4, c = lane % 4;  // fragment coordinates (cuda/mma.cuh)
+  const float scale_log2 = scale * LOG2E;  // scores in base 2
+  // The k order of S = Q K^T is free, as both sides take the same: k = 2c + e (e < 2) and 2c + 8 + e of
+  // chunk kc stand for dim c * DP / 4 + 4kc + e and + 2 + e, so that a thread reads DP / 4 consecutive
+  // dims. Likewise the m order of O^T = V^T P^T: rows g and g + 8 of m16 tile mt stand for dims
+  // v_dim(mt, 0) and v_dim(mt, 1), so that a thread reads V's dims [g * DP / 8, (g + 1) * DP / 8).
+  auto v_dim = [&](int mt, int i) { return g * (DP / 8) + 2 * mt + i; };
   const int p_begin = blockIdx.z, p_end = split ? p_begin + 1 : num_parts;
   auto kv_at = [&](int p, int offset, int dim) {  // element `dim` of the K/V row at `offset` in partition p
     const int pos = p * partition + offset, first_block = (p * partition) >> log2_block_size;
@@ -151,110 +166,100 @@ __device__ __forceinline__ void attend(
   stage(p_begin);  // before the wait: the block tables come before any kernel of the step, a prefetch only warms L2
   wait_for_prior_grid();  // q and the newest K/V rows come from the kernel before
 
-  float qf[HEADS][8];  // q * scale * log2(e): scores in base 2
-#pragma unroll
-  for (int h = 0; h < HEADS; ++h) {
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (dims_ok && first + h < group)
-      raw = *reinterpret_cast<const uint4*>(
-          q + ((size_t)row * num_heads + kv_head * group + first + h) * head_dim + slice * 8);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qf[h][i] = half_at(raw, i) * (scale * LOG2E);
-  }
+  // Q as the A fragment of S = Q K^T: row g is query head first + g (rows from HEADS on, and 8..15, are
+  // zero), its dims [c * DP / 4, (c + 1) * DP / 4) in the k order above.
+  unsigned q_words[DP / 8];
+  load_row(q_words, q + ((size_t)row * num_heads + kv_head * group + first + g) * head_dim, c * (DP / 4),
+           head_dim, g < HEADS && first + g < group);
 
   for (int p = p_begin; p < p_end; ++p) {
     if (p != p_begin) stage(p);
     const int len = partition_len(p);
+    auto row_at = [&](const half* cache, int offset) {  // the K/V row at `offset` of the partition, if any
+      return offset < len ? cache + kv_at(p, offset, 0) : cache;
+    };
 
-    float m[HEADS], l[HEADS], acc[HEADS][8];  // this lane group's online softmax, base 2
-#pragma unroll
-    for (int h = 0; h < HEADS; ++h) {
-      m[h] = NEG_INF;
-      l[h] = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-    }
+    float m = NEG_INF, l = 0.f;  // head g's running maximum, and this thread's share of its sum (base 2)
+    float o[DP / 16][4] = {};    // O^T: o[mt][2i + e] is head 2c + e's dim v_dim(mt, i)
     const int tiles = (len + TILE - 1) / TILE;
     for (int tile = warp; tile < tiles; tile += WARPS) {
-      uint4 k_raw[UNROLL], v_raw[UNROLL];
+      const int base = tile * TILE;
+      // K^T's B fragments: positions base + 8j + g, dims as q_words. V's rows for V^T's A fragments:
+      // positions base + 2c, 2c + 1, 2c + 8 and 2c + 9 (v_words[0..3]), dims [g * DP / 8, (g + 1) * DP / 8).
+      unsigned k_words[2][DP / 8], v_words[4][DP / 16];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int offset = tile * TILE + u * STEP + sub;  // in the partition
-        k_raw[u] = v_raw[u] = make_uint4(0, 0, 0, 0);
-        if (offset < len && dims_ok) {
-          const size_t at = kv_at(p, offset, slice * 8);
-          k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + at));
-          v_raw[u] = __ldg(reinterpret_cast<const uint4*>(v_cache + at));
-        }
-      }
-      float s[UNROLL][HEADS];  // scores
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        float kf[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) kf[i] = half_at(k_raw[u], i);
-#pragma unroll
-        for (int h = 0; h < HEADS; ++h) {
-          float dot = 0.f;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dot = fmaf(qf[h][i], kf[i], dot);
-#pragma unroll
-          for (int offset = LANES / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
-          s[u][h] = tile * TILE + u * STEP + sub < len ? dot : NEG_INF;
-        }
-      }
-      float correction[HEADS];  // and s becomes the weights 2^(s - max)
-#pragma unroll
-      for (int h = 0; h < HEADS; ++h) {
-        float tile_max = s[0][h];
-#pragma unroll
-        for (int u = 1; u < UNROLL; ++u) tile_max = fmaxf(tile_max, s[u][h]);
-        const float new_max = fmaxf(m[h], tile_max);
-        const float ref = new_max == NEG_INF ? 0.f : new_max;
-        correction[h] = exp2_approx(m[h] - ref);
-        float w_sum = 0.f;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          s[u][h] = exp2_approx(s[u][h] - ref);
-          w_sum += s[u][h];
-        }
-        l[h] = fmaf(l[h], correction[h], w_sum);
-        m[h] = new_max;
+      for (int j = 0; j < 2; ++j) {
+        const int offset = base + 8 * j + g;
+        load_row(k_words[j], row_at(k_cache, offset), c * (DP / 4), head_dim, offset < len);
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float vf[UNROLL];
+      for (int r = 0; r < 4; ++r) {
+        const int offset = base + 2 * c + r % 2 + 8 * (r / 2);
+        load_row(v_words[r], row_at(v_cache, offset), g * (DP / 8), head_dim, offset < len);
+      }
+
+      float s[2][4] = {};  // s[j][e]: head g's score at position base + 8j + 2c + e (e < 2)
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) vf[u] = half_at(v_raw[u], i);
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int h = 0; h < HEADS; ++h) {
-          float a = acc[h][i] * correction[h];
+        for (int kc = 0; kc < DP / 16; ++kc)
+          mma_16816(s[j], q_words[2 * kc], 0u, q_words[2 * kc + 1], 0u, k_words[j][2 * kc], k_words[j][2 * kc + 1]);
+      }
+      float tile_max = NEG_INF;
 #pragma unroll
-          for (int u = 0; u < UNROLL; ++u) a = fmaf(s[u][h], vf[u], a);
-          acc[h][i] = a;
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[j][e] = base + 8 * j + 2 * c + e < len ? s[j][e] * scale_log2 : NEG_INF;
+          tile_max = fmaxf(tile_max, s[j][e]);
         }
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+      const float new_max = fmaxf(m, tile_max);
+      const float ref = new_max == NEG_INF ? 0.f : new_max;
+      const float correction = exp2_approx(m - ref);
+      m = new_max;
+
+      // The weights 2^(s - max) in fp16, as P^T's B fragment (p_words[j]: positions base + 8j + 2c..); the
+      // sum takes them as rounded
+      unsigned p_words[2];
+      float w_sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const __half2 w = __floats2half2_rn(exp2_approx(s[j][0] - ref), exp2_approx(s[j][1] - ref));
+        const float2 rounded = __half22float2(w);
+        w_sum += rounded.x + rounded.y;
+        p_words[j] = *reinterpret_cast<const unsigned*>(&w);
+      }
+      l = fmaf(l, correction, w_sum);
+      // O^T += V^T P^T. The threads' columns are heads 2c and 2c + 1, whose corrections row 2c's and
+      // 2c + 1's threads hold. V^T's A fragment pairs the same dim of two positions' words.
+      const float correction_0 = __shfl_sync(FULL_MASK, correction, 8 * c);
+      const float correction_1 = __shfl_sync(FULL_MASK, correction, 8 * c + 4);
+#pragma unroll
+      for (int mt = 0; mt < DP / 16; ++mt) {
+        constexpr unsigned LOW = 0x5410u, HIGH = 0x7632u;  // __byte_perm: the low or the high halves
+        o[mt][0] *= correction_0, o[mt][1] *= correction_1, o[mt][2] *= correction_0, o[mt][3] *= correction_1;
+        const unsigned v0 = v_words[0][mt], v1 = v_words[1][mt], v2 = v_words[2][mt], v3 = v_words[3][mt];
+        mma_16816(o[mt], __byte_perm(v0, v1, LOW), __byte_perm(v0, v1, HIGH), __byte_perm(v2, v3, LOW),
+                  __byte_perm(v2, v3, HIGH), p_words[0], p_words[1]);
       }
     }
 
-    // the lane groups of a warp, then the warps in order: the partition's state per output element
+    // the warp's state per head (its four threads' sums added in a fixed order), then the warps in
+    // order: the partition's state per output element
+    l += __shfl_xor_sync(FULL_MASK, l, 1);
+    l += __shfl_xor_sync(FULL_MASK, l, 2);
+    if (g < HEADS && c == 0) max_s[warp][g] = m, sum_s[warp][g] = l;
 #pragma unroll
-    for (int offset = LANES; offset < WARP; offset *= 2) {
+    for (int e = 0; e < 2; ++e) {
+      if (2 * c + e < HEADS) {
 #pragma unroll
-      for (int h = 0; h < HEADS; ++h) {
-        const Rescale r = rescale(m[h], __shfl_xor_sync(FULL_MASK, m[h], offset));
-        l[h] = combine(l[h], r.first, __shfl_xor_sync(FULL_MASK, l[h], offset), r.second);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          acc[h][i] = combine(acc[h][i], r.first, __shfl_xor_sync(FULL_MASK, acc[h][i], offset), r.second);
-        m[h] = r.max;
-      }
-    }
-    if (sub == 0) {
-#pragma unroll
-      for (int h = 0; h < HEADS; ++h) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc_s[warp][h][slice * 8 + i] = acc[h][i];
-        if (lane == 0) max_s[warp][h] = m[h], sum_s[warp][h] = l[h];
+        for (int mt = 0; mt < DP / 16; ++mt) {
+          acc_s[warp][2 * c + e][v_dim(mt, 0)] = o[mt][e];
+          acc_s[warp][2 * c + e][v_dim(mt, 1)] = o[mt][2 + e];
+        }
       }
     }
     __syncthreads();
@@ -340,14 +345,14 @@ __device__ __forceinline__ void attend(
   PAGED_ATTENTION_WARPS(DP, HEADS, MIN_CTAS, 4) \
   PAGED_ATTENTION_WARPS(DP, HEADS, MIN_CTAS, 8)
 
-#define PAGED_ATTENTION_ALL_HEADS(DP, MIN_CTAS_6) \
-  PAGED_ATTENTION(DP, 1, 4)                       \
-  PAGED_ATTENTION(DP, 2, 4)                       \
-  PAGED_ATTENTION(DP, 3, 4)                       \
-  PAGED_ATTENTION(DP, 4, 3)                       \
-  PAGED_ATTENTION(DP, 6, MIN_CTAS_6)              \
-  PAGED_ATTENTION(DP, 8, 2)
+#define PAGED_ATTENTION_ALL_HEADS(DP, MIN_CTAS) \
+  PAGED_ATTENTION(DP, 1, MIN_CTAS)              \
+  PAGED_ATTENTION(DP, 2, MIN_CTAS)              \
+  PAGED_ATTENTION(DP, 3, MIN_CTAS)              \
+  PAGED_ATTENTION(DP, 4, MIN_CTAS)              \
+  PAGED_ATTENTION(DP, 6, MIN_CTAS)              \
+  PAGED_ATTENTION(DP, 8, MIN_CTAS)
 
-PAGED_ATTENTION_ALL_HEADS(32, 2)
-PAGED_ATTENTION_ALL_HEADS(64, 3)
-PAGED_ATTENTION_ALL_HEADS(128, 3)
+PAGED_ATTENTION_ALL_HEADS(32, 4)
+PAGED_ATTENTION_ALL_HEADS(64, 4)
+PAGED_ATTENTION_ALL_HEADS(128, 2)
