@@ -1,6 +1,7 @@
 """Where a step's time goes on the GPU: host launch time against device time, per phase and batch size.
 
     python tools/profile_step.py --batch-sizes 1 8 64 256 --context 256 --query-len 1 6
+    python tools/profile_step.py --batch-sizes 1 --query-len 1 8 16 --context 200 512 1000 2000
 
 Builds synthetic decode (query length 1) and verify (query length k + 1) steps on the engine's own
 model and KV cache, and times the forward pass with the logits of every row, eager and replayed as
@@ -147,6 +148,9 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
     runner = engine.runner
     xp, model, kv = engine.backend.xp, runner.model, runner.kv
     blocks_each = -(-(context + query_len) // kv.block_size)
+    if batch * blocks_each > kv.k.shape[1] - 1:  # the last block is the scratch block
+        raise SystemExit(f"{batch} x {context + query_len} positions need more KV blocks than "
+                         f"--kv-cache-memory holds ({kv.k.shape[1] - 1})")
     rng = np.random.default_rng(0)
     segments = [Segment(rng.integers(0, 1000, query_len).tolist(), context,
                         list(range(b * blocks_each, (b + 1) * blocks_each))) for b in range(batch)]
@@ -186,10 +190,11 @@ async def main(args: argparse.Namespace) -> None:
                                                    cache=CacheConfig(kv_cache_memory_bytes=args.kv_cache_memory),
                                                    speculative=SpeculativeConfig.from_json(args.speculative_config)))
     try:
-        for query_len in args.query_len:
-            for batch in args.batch_sizes:
-                result = profile(engine, batch, query_len, args.context, args.repeats, args.kernels)
-                print(json.dumps(result), flush=True)
+        for context in args.context:
+            for query_len in args.query_len:
+                for batch in args.batch_sizes:
+                    result = profile(engine, batch, query_len, context, args.repeats, args.kernels)
+                    print(json.dumps(result), flush=True)
     finally:
         await engine.shutdown()
 
@@ -199,7 +204,7 @@ if __name__ == "__main__":
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--query-len", type=int, nargs="+", default=[1, 6], help="1: decode; k + 1: verify k drafts")
-    p.add_argument("--context", type=int, default=256, help="cached positions before the step")
+    p.add_argument("--context", type=int, nargs="+", default=[256], help="cached positions before the step")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--kernels", action="store_true", help="also time each kernel of one layer, from CUDA graphs")
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes")
