@@ -148,9 +148,9 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
     runner = engine.runner
     xp, model, kv = engine.backend.xp, runner.model, runner.kv
     blocks_each = -(-(context + query_len) // kv.block_size)
-    if batch * blocks_each > kv.k.shape[1] - 1:  # the last block is the scratch block
+    if batch * blocks_each > kv.num_blocks:
         raise SystemExit(f"{batch} x {context + query_len} positions need more KV blocks than "
-                         f"--kv-cache-memory holds ({kv.k.shape[1] - 1})")
+                         f"--kv-cache-memory holds ({kv.num_blocks})")
     rng = np.random.default_rng(0)
     segments = [Segment(rng.integers(0, 1000, query_len).tolist(), context,
                         list(range(b * blocks_each, (b + 1) * blocks_each))) for b in range(batch)]
