@@ -13,15 +13,15 @@ from golden import GOLDEN_PROMPTS
 from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.attention import FEW_ROWS
-from cupyspec.model.batch import DeviceBatch, Segment, build_flat_batch
-from cupyspec.model.cuda_graphs import BUCKETS
-from cupyspec.model.linear import GEMV_MAX_ROWS
+from cupyspec.model.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
+from cupyspec.model.cuda_graphs import BUCKETS, LOGIT_ROWS
+from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS
 from cupyspec.outputs import TokenLogprob
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.spec_decode.speculative_config import SpeculativeConfig
 
 BLOCK_SIZE = 16
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048
 
 
 def test_kernel_boundaries_are_buckets() -> None:
@@ -29,6 +29,15 @@ def test_kernel_boundaries_are_buckets() -> None:
     eager step picks."""
     assert GEMV_MAX_ROWS in BUCKETS
     assert FEW_ROWS in BUCKETS
+    assert BUCKETS[-1] == KERNEL_MAX_ROWS  # no graph holds a step that the eager pass gives to cuBLAS
+
+
+def _flat_batch(rng: np.random.Generator, vocab_size: int, parts: list[tuple[int, int]]) -> FlatBatch:
+    """A step of parts (new tokens, cached positions before them) of requests with blocks of their own."""
+    bounds = np.cumsum([0] + [-(-(start + n) // BLOCK_SIZE) for n, start in parts])  # each request's blocks
+    segments = [Segment(rng.integers(0, vocab_size, n).tolist(), start, list(range(lo, hi)))
+                for (n, start), lo, hi in zip(parts, bounds[:-1], bounds[1:])]
+    return build_flat_batch(segments, BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +55,7 @@ def model_and_graphs(default_model_path):
     model = LlamaModel(loaded.config, loaded.weights, backend)
     kv = KVCacheArrays(cupy, loaded.config, 512, BLOCK_SIZE, backend.dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
-    return model, kv, stream, CudaGraphs(model, kv, stream, 64, MAX_MODEL_LEN, cupy.zeros(1, np.int32))
+    return model, kv, stream, CudaGraphs(model, kv, stream, KERNEL_MAX_ROWS, MAX_MODEL_LEN, cupy.zeros(1, np.int32))
 
 
 @pytest.mark.gpu
@@ -59,16 +68,39 @@ def test_replayed_step_gives_the_eager_logits(model_and_graphs, parts: list[tupl
     import cupy
 
     model, kv, stream, graphs = model_and_graphs
-    rng = np.random.default_rng(len(parts))
-    bounds = np.cumsum([0] + [-(-(start + n) // BLOCK_SIZE) for n, start in parts])  # each request's blocks
-    segments = [Segment(rng.integers(0, model.config.vocab_size, n).tolist(), start, list(range(lo, hi)))
-                for (n, start), lo, hi in zip(parts, bounds[:-1], bounds[1:])]
-    flat = build_flat_batch(segments, BLOCK_SIZE)
+    flat = _flat_batch(np.random.default_rng(len(parts)), model.config.vocab_size, parts)
     with stream:
         eager = model.compute_logits(model.forward(DeviceBatch.of(cupy, flat), kv)).get()  # [T, V]
-        replayed = graphs.run(flat).get()  # [T, V]
+        replayed = graphs.run(flat)
+        assert replayed.every_row
+        replayed_logits = replayed.logits.get()  # [T, V], copied on the graphs' stream
     assert np.isfinite(eager).all()
-    np.testing.assert_array_equal(replayed, eager)
+    np.testing.assert_array_equal(replayed_logits, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [[(600, 0), (1, 40)], [(300, 10)] * 2 + [(1, 200)] * 30, [(513, 0)], [(2048, 0)]],
+                         ids=lambda p: f"{sum(n for n, _ in p)}rows")
+def test_a_large_replayed_step_gives_the_eager_logits_of_its_asked_rows(model_and_graphs, parts) -> None:
+    """A step past EVERY_ROW_MAX rows (prefill chunks beside decode rows) replays a graph that computes
+    the logits of the rows asked for only, with the eager step's bits; more than LOGIT_ROWS of them
+    runs eagerly (None)."""
+    import cupy
+
+    model, kv, stream, graphs = model_and_graphs
+    rng = np.random.default_rng(sum(n for n, _ in parts))
+    flat = _flat_batch(rng, model.config.vocab_size, parts)
+    last_rows = np.cumsum([n for n, _ in parts]) - 1  # each request's last row: what samples
+    asked = (last_rows[::2], last_rows[1::2])  # in two lists, as targets and prompt-logprob rows come
+    with stream:
+        hidden = model.forward(DeviceBatch.of(cupy, flat), kv)  # [T, H]
+        eager = model.compute_logits(hidden[cupy.asarray(np.concatenate(asked))]).get()  # [R, V]
+        replayed = graphs.run(flat, logit_rows=asked)
+        assert not replayed.every_row
+        replayed_logits = replayed.logits.get()  # [R, V], copied on the graphs' stream
+        assert graphs.run(flat, logit_rows=(np.arange(LOGIT_ROWS + 1),)) is None
+    assert np.isfinite(eager).all()
+    np.testing.assert_array_equal(replayed_logits, eager)
 
 
 KV_CACHE_BYTES = 1 << 30  # per engine: the engines of a test run one after the other, and a finished one

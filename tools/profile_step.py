@@ -29,6 +29,7 @@ from cupyspec.config import CacheConfig, EngineConfig
 from cupyspec.engine import AsyncEngine
 from cupyspec.model.attention import paged_attention_cuda
 from cupyspec.model.batch import DeviceBatch, FlatBatch, Segment, build_flat_batch
+from cupyspec.model.cuda_graphs import LOGIT_ROWS
 from cupyspec.model.fused import norm_gate_up_swiglu, norm_qkv_rope, rms_norm, rope_and_cache, swiglu
 from cupyspec.model.linear import GEMV_MAX_ROWS, KERNEL_MAX_ROWS, add_linear, linear
 from cupyspec.sampling.argmax import argmax_logprobs
@@ -155,18 +156,22 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
     segments = [Segment(rng.integers(0, 1000, query_len).tolist(), context,
                         list(range(b * blocks_each, (b + 1) * blocks_each))) for b in range(batch)]
     flat = build_flat_batch(segments, kv.block_size)
-    rows = xp.asarray(np.arange(flat.num_tokens))  # every row gets logits, as in a decode or verify step
+    # every row gets logits, as in a decode or verify step; past LOGIT_ROWS rows each sequence's last, as in prefill
+    asked = np.arange(flat.num_tokens) if flat.num_tokens <= LOGIT_ROWS else np.arange(1, batch + 1) * query_len - 1
+    rows = xp.asarray(asked)
     next_ids = np.zeros(flat.num_tokens, np.int32)  # the token after each row, for an MTP head's catch-up
     no_shift = np.full(flat.num_tokens, -1, np.int32)
-    params = [SamplingRow(SamplingParams(temperature=0.0), 0.0)] * flat.num_tokens
+    params = [SamplingRow(SamplingParams(temperature=0.0), 0.0)] * len(asked)
     result: dict = {"batch": batch, "query_len": query_len, "context": context}
     with runner.stream:
         eager_host, eager_dev, logits = timed(
             xp, lambda: model.compute_logits(model.forward(DeviceBatch.of(xp, flat), kv)[rows]), repeats)
         result |= {"eager_host_ms": eager_host, "eager_device_ms": eager_dev}
         step_ms = max(eager_host, eager_dev)
-        if runner.graphs is not None and runner.graphs.run(flat, next_ids, no_shift) is not None:
-            graph_host, graph_dev, logits = timed(xp, lambda: runner.graphs.run(flat, next_ids, no_shift), repeats)
+        if runner.graphs is not None and runner.graphs.run(flat, next_ids, no_shift, (asked,)) is not None:
+            graph_host, graph_dev, graphed = timed(xp, lambda: runner.graphs.run(flat, next_ids, no_shift, (asked,)),
+                                                   repeats)
+            logits = graphed.logits
             result |= {"graph_host_ms": graph_host, "graph_device_ms": graph_dev}
             step_ms = max(graph_host, graph_dev)
             if runner.draft_graphs is not None:
@@ -176,7 +181,7 @@ def profile(engine: AsyncEngine, batch: int, query_len: int, context: int, repea
                 result |= {"mtp_draft_host_ms": host, "mtp_draft_device_ms": dev,
                            "mtp_draft_device_us_per_step": 1e3 * dev / steps}
         sample_host, sample_dev, _ = timed(xp, lambda: sample(xp, logits, params), repeats)
-        if query_len > 1:
+        if query_len > 1 and len(asked) == flat.num_tokens:
             result |= verify_ms(engine, logits, batch, query_len - 1, repeats)
         if kernels and flat.num_tokens <= KERNEL_MAX_ROWS:  # larger steps take cuBLAS, which graphs refuse
             result |= layer_kernels(engine, flat, repeats)

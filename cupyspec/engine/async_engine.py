@@ -26,6 +26,7 @@ from cupyspec.engine.warm_up import run_warm_up
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.loader import LoadedModel, load_model
 from cupyspec.metrics import EngineMetrics
+from cupyspec.model.cuda_graphs import EVERY_ROW_MAX
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.parallel.runner import ParallelRunner
 from cupyspec.sampling.params import SamplingParams
@@ -76,7 +77,8 @@ class AsyncEngine(HandoffRoles):
         self.max_model_len = requested or context
         proposer = make_proposer(config.speculative)
         mtp = mtp_proposer(proposer)
-        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
+        graph_rows = KERNEL_MAX_ROWS if mtp is None else EVERY_ROW_MAX  # the largest bucket (cuda_graphs.py)
+        graph_tokens = min(graph_rows, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
         self.runner, num_blocks = build_runner(config, loaded, backend, mtp, self.max_model_len, graph_tokens)
         block_size = config.cache.block_size
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, mtp is not None)

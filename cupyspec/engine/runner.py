@@ -253,15 +253,17 @@ class ModelRunner:
         """The forward pass: logits [R, V] f32 of the target rows and [P, V] of the prompt-logprob rows
         (None: no rows), and whether every row's logits are in the graphs' static buffer too.
 
-        Through a CUDA graph when one holds the batch (logits of every row come out); else eagerly,
+        Through a CUDA graph when one holds the batch (logits of every row come out, or of the rows
+        asked for in a graph past cuda_graphs.EVERY_ROW_MAX: then nothing is static); else eagerly,
         with the LM head applied to the rows that need it only, the pre-norm hidden states and the
         device batch kept for an MTP head's drafting. An MTP head's catch-up runs either way.
         """
         xp = self.backend.xp
-        every_row = (self.graphs.run(inputs.batch, inputs.next_token_ids, inputs.shift_from)
-                     if self.graphs is not None else None)  # [T, V] or None
+        graphed = (self.graphs.run(inputs.batch, inputs.next_token_ids, inputs.shift_from,
+                                   (inputs.target_rows, inputs.prompt_rows))
+                   if self.graphs is not None else None)
         residual = batch = None
-        if every_row is None:
+        if graphed is None:
             batch = DeviceBatch.of(xp, inputs.batch, self.tokens.slots)
             if inputs.shift_from is not None:  # (copies: on the CPU the batch's arrays are the host's)
                 batch = replace(batch, positions=xp.array(batch.positions), slot_mapping=xp.array(batch.slot_mapping))
@@ -272,14 +274,19 @@ class ModelRunner:
                 self.mtp.catch_up(residual, batch, to_device(xp, inputs.next_token_ids), self.kv)
             hidden = self.model.final_normed(residual)  # [T, H]
 
-        def rows_logits(rows: np.ndarray) -> Any:
-            if every_row is None:
+        def rows_logits(rows: np.ndarray, first: int) -> Any:  # first: where they start among the asked
+            if graphed is None:
                 return self.model.compute_logits(hidden[to_device(xp, rows)])
+            if not graphed.every_row:
+                return graphed.logits[first:first + len(rows)]
+            every_row = graphed.logits
             return every_row if len(rows) == len(every_row) else every_row[to_device(xp, rows)]
 
-        target_logits, prompt_logits = (rows_logits(rows) if len(rows) else None
-                                        for rows in (inputs.target_rows, inputs.prompt_rows))
-        return _Forward(target_logits, prompt_logits, every_row is not None, residual, batch)
+        targets, prompts = inputs.target_rows, inputs.prompt_rows
+        target_logits = rows_logits(targets, 0) if len(targets) else None
+        prompt_logits = rows_logits(prompts, len(targets)) if len(prompts) else None
+        static = graphed is not None and graphed.every_row
+        return _Forward(target_logits, prompt_logits, static, residual, batch)
 
 
 class _Forward(NamedTuple):

@@ -1,10 +1,11 @@
 """Matrix products x @ w.T with weights in the [out, in] layout: our kernels on a GPU, NumPy's elsewhere.
 
-CuPy refuses cuBLAS during stream capture, so the products of decode and verify steps run the
-kernels of `cuda/gemm.cu`: a tensor-core gemv streaming the weights for up to GEMV_MAX_ROWS rows,
-tensor-core tiles up to KERNEL_MAX_ROWS rows; above that (prefill, never captured) cuBLAS. Within
-a kernel family a row's result depends on that row and the weights only, never on the batch it is
-in or the tile shape picked for it, so batches padded to fixed sizes give bit-identical rows.
+CuPy refuses cuBLAS during stream capture, so the products of the steps that CUDA graphs hold run
+the kernels of `cuda/gemm.cu`: a tensor-core gemv streaming the weights for up to GEMV_MAX_ROWS
+rows, tensor-core tiles up to KERNEL_MAX_ROWS rows; above that (prefill steps larger than any
+graph) cuBLAS. Within a kernel family a row's result depends on that row and the weights only,
+never on the batch it is in or the tile shape picked for it, so batches padded to fixed sizes give
+bit-identical rows.
 Products with fp32 output (the logits) always take the tiles, so a row's logits are the same
 whether they come with every row of a step or with the few rows that sample. Products into the
 residual stream (`add_linear`) add in the kernels' epilogue; cupyspec/model/fused.py runs the gemv
@@ -24,7 +25,7 @@ from cupyspec.kernels import load_kernel, sm_count
 from cupyspec.model.quantized import QuantizedWeight, dequantize
 
 GEMV_MAX_ROWS = 8  # rows up to which the gemv kernel runs
-KERNEL_MAX_ROWS = 512  # above this, cuBLAS (x @ w.T) runs instead (faster for prefill; not capturable)
+KERNEL_MAX_ROWS = 2048  # above this, cuBLAS (x @ w.T) runs instead: steps larger than any CUDA graph
 
 GEMV_THREADS = 384  # GEMV_WARPS * 32 in cuda/gemm.cu
 GEMV_ROWS = 16  # weight rows per gemv block (GEMV_ROWS in cuda/gemm.cu)
