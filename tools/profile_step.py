@@ -4,8 +4,9 @@
     python tools/profile_step.py --batch-sizes 1 --query-len 1 8 16 --context 200 512 1000 2000
 
 Builds synthetic decode (query length 1) and verify (query length k + 1) steps on the engine's own
-model and KV cache, and times the forward pass with the logits of every row, eager and replayed as
-a CUDA graph, then greedy sampling, each with CUDA events (device time) and the host clock (the
+model and KV cache, and times the forward pass with the logits of every row (of each sequence's
+last past cuda_graphs.LOGIT_ROWS rows, as in prefill), eager and replayed as a CUDA graph, then
+greedy sampling, each with CUDA events (device time) and the host clock (the
 time Python needs to launch it). A phase whose host time exceeds its device time is launch-bound.
 Verify steps also time verification, with and without logprobs, to the host (wall time).
 With --kernels, each step of one decoder layer is timed on its own from a CUDA graph. With an MTP
