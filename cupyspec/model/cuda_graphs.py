@@ -17,14 +17,14 @@ boundaries respect (`linear.GEMV_MAX_ROWS` and `attention.FEW_ROWS` are buckets)
 returns the logits the eager step returns, bit for bit (`linear.KERNEL_MAX_ROWS` is the largest
 bucket: no graph holds a step that the eager forward pass gives to cuBLAS).
 
-With an MTP head, whose drafting reads the step's logits and hidden states from the static buffers,
-the buckets end at EVERY_ROW_MAX, and each graph first moves on the positions of the rows whose
-sequences' last verdict was still on the device when the step was formed
-(cupyspec/model/positions.py), then also runs the head's catch-up over the step's rows (its K/V,
-from the staged token after each row) and keeps the target's pre-norm hidden states of every row in
-a static buffer, which the head's drafting graphs read (cupyspec/spec_decode/proposers/mtp_graphs.py).
-The staged token fields have one column past the largest bucket, always padding: the row a drafting
-graph's padding entries read.
+With an MTP head the buckets end at EVERY_ROW_MAX (the runner drafts from the static buffers after
+a graph of every row's logits only: ModelRunner's `static`), and each graph first moves on the
+positions of the rows whose sequences' last verdict was still on the device when the step was
+formed (cupyspec/model/positions.py), then also runs the head's catch-up over the step's rows (its
+K/V, from the staged token after each row) and keeps the target's pre-norm hidden states of every
+row in a static buffer, which the head's drafting graphs read
+(cupyspec/spec_decode/proposers/mtp_graphs.py). The staged token fields have one column past the
+largest bucket, always padding: the row a drafting graph's padding entries read.
 """
 
 from __future__ import annotations
