@@ -247,6 +247,28 @@ def test_drafts_are_cut_to_keep_a_step_within_its_cuda_graph():
         sched.check_invariants()
 
 
+def test_drafts_are_cut_to_keep_a_step_within_its_cuda_graphs_rows_of_logits():
+    """Graphs of up to 64 rows, but of at most 10 rows of logits: six decoding sequences with 3 drafts
+    each and a 19-token prompt are 43 rows, and ask for up to 7 + 18 rows of logits; the drafts keep
+    3 rows of logits (the first three sequences 1 each, the others none)."""
+    class Drafting(Scheduler):
+        def num_lookahead_tokens(self, seq: Sequence) -> int:
+            return 3 if seq.output_token_ids else 0
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Drafting(config, BlockManager(64, 4, True), 4096, graph_rows=64, graph_logit_rows=10)
+    for _ in range(6):
+        sched.add(make_seq(2))
+    step(sched)
+    sched.add(make_seq(19))
+    out = sched.schedule()
+    assert [item.num_lookahead_tokens for item in out.scheduled[:6]] == [1, 1, 1, 0, 0, 0]
+    assert out.scheduled[6].num_new_tokens == 19
+    sched.on_launched(out)
+    sched.update_after_step(out)
+    sched.check_invariants()
+
+
 def test_random_workload_keeps_invariants():
     rng = np.random.default_rng(0)
     block_size = 4

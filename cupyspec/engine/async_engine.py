@@ -26,7 +26,7 @@ from cupyspec.engine.warm_up import run_warm_up
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.loader import LoadedModel, load_model
 from cupyspec.metrics import EngineMetrics
-from cupyspec.model.cuda_graphs import EVERY_ROW_MAX
+from cupyspec.model.cuda_graphs import EVERY_ROW_MAX, LOGIT_ROWS
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.parallel.runner import ParallelRunner
 from cupyspec.sampling.params import SamplingParams
@@ -84,7 +84,7 @@ class AsyncEngine(HandoffRoles):
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, mtp is not None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    config.speculative.num_model_steps - 1 if mtp is not None else 0,
-                                   graph_tokens if backend.is_cuda else 0)
+                                   graph_tokens if backend.is_cuda else 0, LOGIT_ROWS)
         self.metrics = EngineMetrics(self.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished, config.stream_interval)
         self.step_loop = StepLoop(config, self.scheduler, self.runner, self.outputs,

@@ -54,13 +54,14 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 head_lookahead: int = 0, graph_rows: int = 0) -> None:
+                 head_lookahead: int = 0, graph_rows: int = 0, graph_logit_rows: int = 0) -> None:
         """head_lookahead: KV slots reserved past each sampling segment, within the context length,
         for the positions an MTP head's drafting steps write. graph_rows: the most rows a step may
-        have and still replay a CUDA graph (0: no graphs); see `_fit_graph`."""
+        have and still replay a CUDA graph (0: no graphs); graph_logit_rows: the most rows of logits
+        it may ask for (0: any); see `_fit_graph`."""
         if max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
-        self.head_lookahead, self.graph_rows = head_lookahead, graph_rows
+        self.head_lookahead, self.graph_rows, self.graph_logit_rows = head_lookahead, graph_rows, graph_logit_rows
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -218,11 +219,14 @@ class Scheduler:
 
     def _fit_graph(self, scheduled: list[ScheduledSeq]) -> tuple[ScheduledSeq, ...]:
         """The step with fewer drafts where its tokens fit a CUDA graph and its drafts would push it
-        past: an eager step costs the host the launches of every kernel, more than verifying the
-        drafts gains. Each sequence keeps up to a common number of drafts, the first ones one more
-        while rows are left; the KV slots reserved for the others stay with their sequences."""
+        past, in rows or in rows of logits (one a sequence at most, and one a draft): an eager step
+        costs the host the launches of every kernel, more than verifying the drafts gains. Each
+        sequence keeps up to a common number of drafts, the first ones one more while rows are left;
+        the KV slots reserved for the others stay with their sequences."""
         drafts = [item.num_lookahead_tokens for item in scheduled]
         room = self.graph_rows - sum(item.num_new_tokens for item in scheduled)
+        if self.graph_logit_rows:
+            room = min(room, self.graph_logit_rows - len(scheduled))
         if not self.graph_rows or room < 0 or sum(drafts) <= room:
             return tuple(scheduled)
         kept = 0  # drafts each sequence keeps, at most
