@@ -8,11 +8,13 @@ GPU and on uvloop; only the model is replaced, by simulate_speculation.py's Scri
 request gets the same scripted reply, and a step takes the H100's modeled device time. With
 `--device cuda` the model runs on the GPU instead, which compares the two modes on the same engine,
 workload and machine. Each round serves the same random-word chat prompts (`bench_serve.py --dataset
-random`, greedy, `ignore_eos`) twice: in-process through `AsyncEngine.chat`, then over HTTP from
-`bench_serve.py` (`--client-processes` of them) against the server running in this process.
-Reported per mode: output tok/s and this process's CPU µs per output token (the engine's host work,
-plus the server's over HTTP). Wrap the command in `py-spy record` to see where the server's share
-goes.
+random`, greedy, `ignore_eos`) twice: in-process through `AsyncEngine.chat`, and over HTTP from
+`bench_serve.py` (`--client-processes` of them) against the server running in this process, the
+two in turn and the first of them alternating from round to round, so that a machine's drift falls
+on both. Reported per mode: output tok/s and this process's CPU µs per output token (the engine's
+host work, plus the server's over HTTP); then, per concurrency, the median over the rounds of the
+HTTP throughput over the in-process one. Wrap the command in `py-spy record` to see where the
+server's share goes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from cupyspec.server.cli import run_loop
 
 TOOLS = Path(__file__).resolve().parent
 GPU_KV_BYTES = 8 * 2**30
+MODES = ("in-process", "http")
 
 
 async def in_process(engine: AsyncEngine, prompts: list[str], concurrency: int, max_tokens: int) -> int:
@@ -93,13 +96,15 @@ async def start_engine(args: argparse.Namespace) -> AsyncEngine:
 async def main(args: argparse.Namespace) -> None:
     engine = await start_engine(args)
     runner, port = await start_server(create_app(engine), "127.0.0.1", 0)
+    shares: dict[int, list[float]] = defaultdict(list)  # per concurrency: HTTP tok/s over in-process, a round each
     try:
         for round_ in range(args.rounds):
             for concurrency in args.concurrency:
                 num_prompts = args.prompts_per_stream * concurrency
                 spec = DatasetSpec(name="random", num_prompts=num_prompts, random_input_len=args.input_words)
                 prompts = [p.text for p in load_prompts(spec)]
-                for mode in ("in-process", "http"):
+                rates = {}
+                for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
                     start, cpu = time.perf_counter(), time.process_time()
                     if mode == "http":  # the client's own figures: its start-up is not the server's time
                         summary = await over_http(f"http://127.0.0.1:{port}", args, concurrency, num_prompts)
@@ -112,6 +117,11 @@ async def main(args: argparse.Namespace) -> None:
                     print(json.dumps({"round": round_, "mode": mode, "concurrency": concurrency,
                                       "output_tokens": tokens, "tok_per_s": round(tok_per_s),
                                       "host_us_per_token": round(1e6 * cpu / tokens, 1), **client}), flush=True)
+                    rates[mode] = tok_per_s
+                shares[concurrency].append(rates["http"] / rates["in-process"])
+        for concurrency, values in shares.items():
+            print(json.dumps({"concurrency": concurrency, "rounds": len(values),
+                              "http_over_in_process": round(float(np.median(values)), 3)}), flush=True)
     finally:
         await runner.cleanup()
         await engine.shutdown()
