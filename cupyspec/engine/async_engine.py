@@ -26,7 +26,7 @@ from cupyspec.engine.warm_up import run_warm_up
 from cupyspec.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
 from cupyspec.loader import LoadedModel, load_model
 from cupyspec.metrics import EngineMetrics
-from cupyspec.model.cuda_graphs import EVERY_ROW_MAX, LOGIT_ROWS
+from cupyspec.model.cuda_graphs import LOGIT_ROWS
 from cupyspec.model.linear import KERNEL_MAX_ROWS
 from cupyspec.parallel.runner import ParallelRunner
 from cupyspec.sampling.params import SamplingParams
@@ -77,14 +77,14 @@ class AsyncEngine(HandoffRoles):
         self.max_model_len = requested or context
         proposer = make_proposer(config.speculative)
         mtp = mtp_proposer(proposer)
-        graph_rows = KERNEL_MAX_ROWS if mtp is None else EVERY_ROW_MAX  # the largest bucket (cuda_graphs.py)
-        graph_tokens = min(graph_rows, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
+        graph_tokens = min(KERNEL_MAX_ROWS, config.scheduler.max_num_batched_tokens) if config.cuda_graphs else 0
         self.runner, num_blocks = build_runner(config, loaded, backend, mtp, self.max_model_len, graph_tokens)
+        graphs = self.runner.graphs  # the scheduler fits a step's drafts to their largest bucket
         block_size = config.cache.block_size
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, mtp is not None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    config.speculative.num_model_steps - 1 if mtp is not None else 0,
-                                   graph_tokens if backend.is_cuda else 0, LOGIT_ROWS)
+                                   graphs.buckets[-1] if graphs is not None else 0, LOGIT_ROWS)
         self.metrics = EngineMetrics(self.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.metrics, self._on_sequence_finished, config.stream_interval)
         self.step_loop = StepLoop(config, self.scheduler, self.runner, self.outputs,

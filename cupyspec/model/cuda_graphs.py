@@ -91,6 +91,7 @@ class CudaGraphs:
         self.host_views = [self._split(host) for host in self.host_inputs]  # (token fields, tables) of each
         for staged, _ in self.host_views:
             self._pad(staged, rows, rows + 1)
+            staged[LOGIT_ROW] = 0  # row 0 until a large step lists its own (the captures read them too)
         self._host_pointers = [host.ctypes.data for host in self.host_inputs]
         self._runtime = cupy.cuda.runtime
         self._turn = 0  # the pinned buffer the next step stages its inputs in
@@ -142,7 +143,6 @@ class CudaGraphs:
         staged[:, start:stop] = 0
         staged[2, start:stop] = self.padding_row
         staged[3, start:stop] = self.kv.scratch_block * self.kv.block_size
-        staged[LOGIT_ROW, start:stop] = 0
         if self.catch_up is not None:
             staged[SHIFT_FROM, start:stop] = -1
 
@@ -158,8 +158,9 @@ class CudaGraphs:
         if index == len(self.buckets) or batch.block_tables.shape[1] > self.tables.shape[1]:
             return None
         bucket = self.buckets[index]
-        asked = sum(map(len, logit_rows))
-        if bucket > EVERY_ROW_MAX and asked > LOGIT_ROWS:
+        gathered = bucket > EVERY_ROW_MAX  # its graph computes the logits of the asked rows only
+        asked = sum(map(len, logit_rows)) if gathered else 0
+        if asked > LOGIT_ROWS:
             return None
         turn, self._turn = self._turn, self._turn ^ 1
         staged, tables = self.host_views[turn]
@@ -172,7 +173,7 @@ class CudaGraphs:
             staged[SHIFT_FROM, :num_tokens] = -1 if shift_from is None else shift_from
         if num_tokens < bucket:
             self._pad(staged, num_tokens, bucket)
-        if bucket > EVERY_ROW_MAX:
+        if gathered:
             staged[LOGIT_ROW, :asked] = np.concatenate(logit_rows) if logit_rows else ()
             staged[LOGIT_ROW, asked:LOGIT_ROWS] = 0
         tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
@@ -181,6 +182,6 @@ class CudaGraphs:
         runtime.memcpyAsync(self.inputs.data.ptr, self._host_pointers[turn], end * self.inputs.itemsize,
                             runtime.memcpyHostToDevice, self.stream.ptr)
         self.graphs[bucket].launch(self.stream)
-        if bucket > EVERY_ROW_MAX:
+        if gathered:
             return GraphLogits(self.logits[:asked], every_row=False)
         return GraphLogits(self.logits[:num_tokens], every_row=True)
