@@ -66,9 +66,9 @@ def test_paged_attention_kernel_matches_twin(query_lens, max_context, shape):
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES[:2], ids=lambda s: "{}-{}x{}-b{}".format(*s))
 def test_paged_attention_rows_are_batch_independent(shape):
     """A row's output has the same bits in any launch whose CTAs have as many warps (8 up to FEW_ROWS
-    rows, else 4): alone or beside other requests, and in a batch padded with a wider block table,
-    flash-decoding split or not."""
-    from cupyspec.model.attention import FEW_ROWS, SPLIT_BELOW_CTAS
+    rows, else 4): alone or beside other requests, in a batch padded with a wider block table,
+    flash-decoding split or not, and whether a CTA takes it with its neighbours or alone."""
+    from cupyspec.model.attention import FEW_ROWS, GROUPED_ABOVE, SPLIT_BELOW_CTAS
 
     heads, kv_heads, dim, block_size = shape
     rng = np.random.default_rng(7)
@@ -88,12 +88,15 @@ def test_paged_attention_rows_are_batch_independent(shape):
             np.r_[positions[rows], np.zeros(pad, np.int32)], scale=scale)
         return out[:len(rows)].view(np.uint16)
 
-    # 4 warps: every row together (not split), padded to 1024 rows (not split); the short segments'
-    # rows padded to 32 (split)
-    assert FEW_ROWS < 32 and 32 * kv_heads < SPLIT_BELOW_CTAS <= 1024 * kv_heads
+    # 4 warps: every row together (not split); padded to 1024 rows (not split), where CTAs take groups
+    # of rows; so padded behind one row more (the first request's, again), which moves every later row to
+    # other groups or out of them; the short segments' rows padded to 32 (split)
+    assert FEW_ROWS < 32 and 32 * kv_heads < SPLIT_BELOW_CTAS <= 1024 * kv_heads and GROUPED_ABOVE < 1024
     together = attention_on_device(q, k, v, tables, batch_ids, positions, scale=scale).view(np.uint16)
     every_row = np.arange(len(positions))
+    assert len(positions) <= GROUPED_ABOVE
     assert np.array_equal(padded(every_row, 1024), together)
+    assert np.array_equal(padded(np.r_[0, every_row], 1024)[1:], together)
     short = np.flatnonzero(np.isin(batch_ids, [b for b, (n, _) in enumerate(segments) if n < 300]))
     assert len(short) <= FEW_ROWS
     assert np.array_equal(padded(short, 32), together[short])

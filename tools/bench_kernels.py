@@ -51,7 +51,8 @@ def time_call(call: Callable[[], Any], repeats: int) -> float:
 
 
 def bench_linear() -> Iterator[Case]:
-    """x @ w.T on SmolLM2-135M's matrices (cupyspec.model.linear: gemv to M=8, tensor-core tiles to 512).
+    """x @ w.T on SmolLM2-135M's matrices (cupyspec.model.linear: gemv to M=8, tensor-core tiles to
+    2,048), and cuBLAS on the same products from M=512 (CuPy's matmul), which the tiles replace there.
 
     Calls cycle through enough copies of the weights to fill the L2 cache twice, so that the weights
     come from HBM as they do in a forward pass over all layers.
@@ -70,11 +71,15 @@ def bench_linear() -> Iterator[Case]:
         rng = cupy.random.default_rng(n + k)
         copies = [(rng.standard_normal((n, k), dtype=np.float32) * k ** -0.5).astype(np.float16)
                   for _ in range(-(-2 * l2_bytes // (2 * n * k)))]  # [N, K] each
-        for m in (1, 8, 64, 256, 512):
+        for m in (1, 8, 64, 256, 512, 1024, 2048):
             x = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)  # [M, K]
             weights = itertools.cycle(copies)
-            yield Case(f"{name} M={m} N={n} K={k}", 2 * (n * k + m * k) + m * n * np.dtype(out_dtype).itemsize,
-                       2 * m * n * k, lambda x=x, weights=weights, d=out_dtype: linear(cupy, x, next(weights), d))
+            moved = 2 * (n * k + m * k) + m * n * np.dtype(out_dtype).itemsize
+            yield Case(f"{name} M={m} N={n} K={k}", moved, 2 * m * n * k,
+                       lambda x=x, weights=weights, d=out_dtype: linear(cupy, x, next(weights), d))
+            if m >= 512 and out_dtype == np.float16:
+                yield Case(f"{name} cuBLAS M={m} N={n} K={k}", moved, 2 * m * n * k,
+                           lambda x=x, weights=weights: x @ next(weights).T)
 
 
 def bench_packed() -> Iterator[Case]:

@@ -16,6 +16,7 @@ import numpy as np
 from cupyspec.kernels import load_kernel
 
 FEW_ROWS = 16  # launches of up to this many rows take CTAs of 8 warps, others of 4; a CUDA-graph bucket
+GROUPED_ABOVE = 512  # launches of more rows (prefill chunks for the most part) group rows in CTAs
 PARTITION = 256  # positions per partition, but see partition_size: PARTITION in cuda/paged_attention.cu
 HEADS_PER_CTA = (1, 2, 3, 4, 6, 8)  # the kernel's instantiations: query heads of a GQA group per CTA
 SPLIT_BELOW_CTAS = 512  # split positions across CTAs when the rows alone give fewer CTAs (~4 per SM)
@@ -72,7 +73,11 @@ def paged_attention_cuda(
     paths give a row the same bits, so the grid depends on T and the shapes only, never on the data.
     Up to FEW_ROWS rows a CTA has 8 warps (a warp's tiles come in turn: fewer of them each pays where
     the CTAs are few), else 4 (fewer warps' states to fold where the CTAs fill the GPU). A row's bits
-    depend on that choice, which a CUDA graph's padding to its bucket does not change.
+    depend on that choice, which a CUDA graph's padding to its bucket does not change. In launches of
+    more than GROUPED_ABOVE rows, a CTA takes several consecutive rows of one request (a prefill
+    chunk's) where it can: they read each K/V row once, and each comes out with the bits it would have
+    in a CTA of its own. Launches of fewer rows, where decode and verify rows are the most, keep the
+    kernel of one row a CTA, whose smaller shared memory suits them.
     """
     import cupy
 
@@ -94,11 +99,12 @@ def paged_attention_cuda(
     partial_acc = cupy.empty((num_tokens, num_heads, parts, head_dim), dtype=cupy.float32)  # [T, Hq, P, D]
     partial_stats = cupy.empty((num_tokens, num_heads, parts, 2), dtype=cupy.float32)  # [T, Hq, P, (max, sum)]
     out = cupy.empty_like(q)  # [T, Hq, D]
-    kernel = load_kernel("paged_attention", f"paged_attention_d{padded_dim}_h{heads}_w{warps}")
+    kind = f"w{warps}" if num_tokens <= GROUPED_ABOVE else "g4"
+    kernel = load_kernel("paged_attention", f"paged_attention_d{padded_dim}_h{heads}_{kind}")
     arrivals = _arrivals(q.device.id, cupy.cuda.get_current_stream().ptr)
     kernel((num_tokens, num_kv_heads * chunks, max(parts, 1)), (32 * warps,),
            (q, k_cache, v_cache, block_tables, batch_id_per_token, positions, out, partial_acc, partial_stats,
-            arrivals, np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+            arrivals, np.int32(num_tokens), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
             np.int32(block_size.bit_length() - 1), np.int32(block_tables.shape[1]), np.float32(scale)))
     return out
 
