@@ -86,7 +86,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     overlap_logprobs: bool = True  # GPU: logprobs of a speculative step on a second stream, beside verification
-    cuda_graphs: bool = True  # GPU: steps of up to 2,048 rows replay captured CUDA graphs (512 with MTP)
+    cuda_graphs: bool = True  # GPU: steps of up to 2,048 rows replay captured CUDA graphs
     # form and launch step N+1 while step N runs, its tokens fed on the device (not for a step that
     # drafts, nor while penalties run: they need each token on the host first)
     overlap_scheduling: bool = True

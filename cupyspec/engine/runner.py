@@ -141,7 +141,7 @@ class ModelRunner:
         """The MTP head's drafts from each sampling sequence's last accepted row, queued after
         sampling or verification, which left the accepted drafts and the emitted tokens in `tokens`;
         the drafts go there too."""
-        if forward.static:
+        if forward.graphed:
             return self.draft_graphs.run(inputs.first_rows, inputs.draft_sampling)
         drafted = self.mtp.draft_from(forward.residual, forward.batch, self._boundary_rows(inputs),
                                       self.tokens.by_seq[:len(inputs.owners), 0], self.kv, inputs.draft_sampling)
@@ -152,7 +152,7 @@ class ModelRunner:
         """The head's K/V at each sampling sequence's last accepted row, with the token the step
         emitted after it in place of the catch-up's guess: what drafting's first step writes, where
         the head does not draft."""
-        if forward.static:
+        if forward.graphed:
             self.draft_graphs.mend(inputs.first_rows)
         else:
             self.mtp.mend_from(forward.residual, forward.batch, self._boundary_rows(inputs),
@@ -286,7 +286,7 @@ class ModelRunner:
         target_logits = rows_logits(targets, 0) if len(targets) else None
         prompt_logits = rows_logits(prompts, len(targets)) if len(prompts) else None
         static = graphed is not None and graphed.every_row
-        return _Forward(target_logits, prompt_logits, static, residual, batch)
+        return _Forward(target_logits, prompt_logits, static, graphed is not None, residual, batch)
 
 
 class _Forward(NamedTuple):
@@ -295,5 +295,6 @@ class _Forward(NamedTuple):
     target_logits: Any | None  # [R, V] f32
     prompt_logits: Any | None  # [P, V] f32
     static: bool  # every row's logits are in the graphs' static buffer too
+    graphed: bool  # a graph ran it: its rows' hidden states, positions and tables are in static buffers
     residual: Any | None  # [T, H] fp32: pre-norm hidden states of an eager step
     batch: DeviceBatch | None  # the eager step's device batch

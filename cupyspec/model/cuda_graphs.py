@@ -17,14 +17,12 @@ boundaries respect (`linear.GEMV_MAX_ROWS` and `attention.FEW_ROWS` are buckets)
 returns the logits the eager step returns, bit for bit (`linear.KERNEL_MAX_ROWS` is the largest
 bucket: no graph holds a step that the eager forward pass gives to cuBLAS).
 
-With an MTP head the buckets end at EVERY_ROW_MAX (the runner drafts from the static buffers after
-a graph of every row's logits only: ModelRunner's `static`), and each graph first moves on the
-positions of the rows whose sequences' last verdict was still on the device when the step was
-formed (cupyspec/model/positions.py), then also runs the head's catch-up over the step's rows (its
-K/V, from the staged token after each row) and keeps the target's pre-norm hidden states of every
-row in a static buffer, which the head's drafting graphs read
-(cupyspec/spec_decode/proposers/mtp_graphs.py). The staged token fields have one column past the
-largest bucket, always padding: the row a drafting graph's padding entries read.
+With an MTP head, each graph first moves on the positions of the rows whose sequences' last verdict
+was still on the device when the step was formed (cupyspec/model/positions.py), then also runs the
+head's catch-up over the step's rows (its K/V, from the staged token after each row) and keeps the
+target's pre-norm hidden states of every row in a static buffer, which the head's drafting graphs
+read (cupyspec/spec_decode/proposers/mtp_graphs.py). The staged token fields have one column past
+the largest bucket, always padding: the row a drafting graph's padding entries read.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ class CudaGraphs:
 
         self.model, self.kv, self.stream, self.previous_tokens = model, kv, stream, previous_tokens
         self.catch_up, self.accepted = catch_up, accepted
-        self.buckets = tuple(b for b in BUCKETS if b <= max_tokens and (catch_up is None or b <= EVERY_ROW_MAX))
+        self.buckets = tuple(b for b in BUCKETS if b <= max_tokens)
         if not self.buckets:
             raise ValueError(f"no CUDA graph bucket holds at most {max_tokens} rows")
         rows = self.buckets[-1]
