@@ -173,5 +173,6 @@ __device__ __forceinline__ void gemm_tc(const half* __restrict__ x, const half* 
     GEMM_TC_ENTRY(BM, BN, BK, WARPS_M, WARPS_N, STAGES, MIN_BLOCKS, add, float, AddToResidual)
 
 GEMM_TC(32, 64, 64, 2, 2, 4, 1)     // M <= 64 or few tiles: 128 threads, 54 KB
-GEMM_TC(64, 128, 32, 2, 4, 4, 1)    // 256 threads, 60 KB
-GEMM_TC(128, 128, 32, 2, 4, 4, 2)   // 256 threads, 80 KB, two blocks per SM
+GEMM_TC(64, 96, 32, 2, 2, 4, 2)     // 128 threads, 50 KB
+GEMM_TC(128, 96, 32, 2, 2, 4, 2)    // 128 threads, 70 KB
+GEMM_TC(128, 192, 32, 2, 4, 4, 2)   // 256 threads, 100 KB, two blocks per SM

@@ -54,7 +54,8 @@ class _Tile:
         return -(-m // self.rows) * -(-n // self.cols)
 
 
-_TILES = (_Tile(128, 128, 32, 256, 4), _Tile(64, 128, 32, 256, 4), _Tile(32, 64, 64, 128, 4))  # largest first
+_TILES = (_Tile(128, 192, 32, 256, 4), _Tile(128, 96, 32, 128, 4), _Tile(64, 96, 32, 128, 4),
+          _Tile(32, 64, 64, 128, 4))  # largest first
 
 
 def _pick_tile(m: int, n: int, sm_count: int) -> _Tile:
