@@ -116,40 +116,33 @@ __device__ __forceinline__ uint4 scaled(unsigned scale_min, Q q) {
     return uint4{out[0], out[1], out[2], out[3]};
 }
 
-struct Int8Weights {  // wint8
-    const unsigned char* q;     // [N, K]
+// wint8 (BITS 8): q [N, K] int8; wint4 (BITS 4): q [N, K/2] uint8. A word of 8 weights is BITS bytes.
+template <int BITS>
+struct PackedWeights {
+    static_assert(BITS == 8 || BITS == 4, "wint8 or wint4");
+    const unsigned char* q;     // [N, K * BITS / 8]
     const unsigned* scale_min;  // [N, K4] pairs of fp16 (s, m), s in the low half
     int K;
-    __device__ Int8Weights(const void* values, const void* s, int K)
+    __device__ PackedWeights(const void* values, const void* s, int K)
         : q(static_cast<const unsigned char*>(values)), scale_min(static_cast<const unsigned*>(s)), K(K) {}
-    using Raw = PackedLane<8>;
+    using Raw = PackedLane<BITS>;
     __device__ __forceinline__ Raw fetch(int row, int first, int quad) const {
         Raw raw;
-        raw.fetch(q + (size_t)row * K, scale_min + scale_row(row, K), K, first, quad);
+        raw.fetch(q + (size_t)row * (K / (8 / BITS)), scale_min + scale_row(row, K), K, first, quad);
         return raw;
     }
-    __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {  // weight j: byte j % 4 of word j / 4
-        const unsigned lo = raw.word(u, 0), hi = raw.word(u, 1);
-        return scaled(component(raw.scale_min, u), [&](int j) {
-            return (float)(signed char)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
-        });
+    // wint8: weight j is byte j % 4 of word j / 4; wint4: nibble j % 2 of byte j / 2
+    __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {
+        if constexpr (BITS == 8) {
+            const unsigned lo = raw.word(u, 0), hi = raw.word(u, 1);
+            return scaled(component(raw.scale_min, u), [&](int j) {
+                return (float)(signed char)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+            });
+        } else {
+            const unsigned word = raw.word(u, 0);
+            return scaled(component(raw.scale_min, u), [&](int j) { return (float)((word >> (4 * j)) & 15); });
+        }
     }
 };
-
-struct Int4Weights {  // wint4
-    const unsigned char* q;     // [N, K/2]
-    const unsigned* scale_min;  // [N, K4] pairs of fp16 (s, m), s in the low half
-    int K;
-    __device__ Int4Weights(const void* values, const void* s, int K)
-        : q(static_cast<const unsigned char*>(values)), scale_min(static_cast<const unsigned*>(s)), K(K) {}
-    using Raw = PackedLane<4>;
-    __device__ __forceinline__ Raw fetch(int row, int first, int quad) const {
-        Raw raw;
-        raw.fetch(q + (size_t)row * (K / 2), scale_min + scale_row(row, K), K, first, quad);
-        return raw;
-    }
-    __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {  // weight j: nibble j % 2 of byte j / 2
-        const unsigned word = raw.word(u, 0);
-        return scaled(component(raw.scale_min, u), [&](int j) { return (float)((word >> (4 * j)) & 15); });
-    }
-};
+using Int8Weights = PackedWeights<8>;
+using Int4Weights = PackedWeights<4>;
