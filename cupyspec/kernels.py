@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import importlib
 import re
 import threading
@@ -27,12 +28,26 @@ def cuda_source_dir() -> Path:
     return Path(next(iter(importlib.import_module("cupyspec.cuda").__path__)))
 
 
-def _compile(xp: Any, name: str) -> Any:
+def module_source(name: str) -> str:
+    """The text of `cuda/<name>.cu`, ending in a comment with a digest of every header in `cuda/`: CuPy
+    keys its disk cache of compiled modules on a module's own text, so a changed header must change it."""
     path = cuda_source_dir() / f"{name}.cu"
     if not path.is_file():
         raise FileNotFoundError(f"CUDA source {path} is missing")
+    return f"{path.read_text()}\n// headers: {_headers_digest()}\n"
+
+
+def _headers_digest() -> str:
+    digest = hashlib.sha256()
+    for header in sorted(cuda_source_dir().glob("*.cuh")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _compile(xp: Any, name: str) -> Any:
+    path = cuda_source_dir() / f"{name}.cu"
     try:
-        module = xp.RawModule(code=path.read_text(), options=("-std=c++17", f"-I{cuda_source_dir()}"),
+        module = xp.RawModule(code=module_source(name), options=("-std=c++17", f"-I{cuda_source_dir()}"),
                               name_expressions=None)
         module.compile()
     except xp.cuda.compiler.CompileException as exc:  # name our file, not NVRTC's temporary copy

@@ -1,5 +1,6 @@
-"""The kernel loader's launches: the driver structs of programmatic dependent launch, argument
-conversion, and on a GPU a captured chain of launches that may overlap yet keep their order."""
+"""The kernel loader: a module's text names its headers' contents (CuPy's cache key); its launches: the
+driver structs of programmatic dependent launch, argument conversion, and on a GPU a captured chain of
+launches that may overlap yet keep their order."""
 
 from __future__ import annotations
 
@@ -8,7 +9,23 @@ import ctypes
 import numpy as np
 import pytest
 
-from cupyspec.kernels import _argument, _LaunchAttribute, _LaunchConfig, programmatic_launches
+from cupyspec import kernels
+from cupyspec.kernels import _argument, _LaunchAttribute, _LaunchConfig, module_source, programmatic_launches
+
+
+def test_a_modules_source_changes_with_any_header(tmp_path, monkeypatch) -> None:
+    """CuPy finds a compiled module in its disk cache by the module's text alone: an edited header
+    (a new packed layout, say) must not bring back the module compiled against the old one."""
+    (tmp_path / "a.cu").write_text('#include "b.cuh"\n')
+    (tmp_path / "b.cuh").write_text("#define LAYOUT 1\n")
+    monkeypatch.setattr(kernels, "cuda_source_dir", lambda: tmp_path)
+    before = module_source("a")
+    (tmp_path / "b.cuh").write_text("#define LAYOUT 2\n")
+    after = module_source("a")
+    assert before.startswith('#include "b.cuh"\n') and after.startswith('#include "b.cuh"\n')
+    assert before != after
+    with pytest.raises(FileNotFoundError, match="missing"):
+        module_source("c")
 
 
 def test_launch_structs_have_the_driver_layout() -> None:
