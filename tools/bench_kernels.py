@@ -17,9 +17,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-# H100 SXM peaks: HBM3 bandwidth, dense fp16 tensor-core throughput with fp32 accumulation
-PEAK_BYTES_PER_S = 3.35e12
-PEAK_FLOPS = 989e12
+# Peaks by device name: HBM bandwidth (bytes/s), dense fp16 tensor-core throughput with fp32 accumulation
+PEAKS = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
+
+
+def device_peaks() -> tuple[str, float, float]:
+    """This GPU's name and its peaks (an H100's where PEAKS does not name it)."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    known = next((key for key in PEAKS if key in name), "H100")
+    return f"{name} (against {known} peaks)", *PEAKS[known]
 
 
 @dataclass(frozen=True)
@@ -217,7 +226,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
     args = p.parse_args()
-    print(f"{'case':<48}{'us':>10}{'GB/s':>10}{'% HBM':>8}{'TFLOP/s':>10}{'% TC':>7}")
+    device, peak_bytes_per_s, peak_flops = device_peaks()
+    if not args.json:
+        print(device)
+        print(f"{'case':<48}{'us':>10}{'GB/s':>10}{'% HBM':>8}{'TFLOP/s':>10}{'% TC':>7}")
     for name, bench in BENCHES.items():
         if args.only and not any(name.startswith(prefix) for prefix in args.only):
             continue
@@ -225,8 +237,8 @@ def main() -> None:
             us = time_call(case.call, args.repeats) / case.kernels
             bandwidth, flops = case.bytes_moved / (us * 1e-6), case.flops / (us * 1e-6)
             row = {"case": f"{name} {case.label}", "us": us, "GB/s": bandwidth / 1e9,
-                   "hbm_fraction": bandwidth / PEAK_BYTES_PER_S, "TFLOP/s": flops / 1e12,
-                   "tc_fraction": flops / PEAK_FLOPS}
+                   "hbm_fraction": bandwidth / peak_bytes_per_s, "TFLOP/s": flops / 1e12,
+                   "tc_fraction": flops / peak_flops}
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
