@@ -1,13 +1,16 @@
 // Weight matrices w [N, K] as the gemv kernels read them: fp16, or packed for weight-only
 // quantization (twin: cupyspec/model/quantized.py). Packed matrices hold groups of 32 weights along K,
-// K % 32 == 0, each with an fp16 scale and minimum (s, m):  w = fp16(fmaf(s, q, m))
+// K % 32 == 0, each with an fp16 scale and minimum (s, m):  w = fp16(s q + m), rounded once
 //
 //   wint8: q [N, K] int8 (in [-127, 127] with m = 0, or in [0, 31]), a word of 8 weights in 8 bytes
-//   wint4: q [N, K/2] uint8, q of k and k + 1 in the low and high nibble of a byte; a word in 4 bytes
+//   wint4: q [N, K/2] uint8 in [0, 15], a word of 8 weights in 4 bytes: weight 2 i in bits 4 i .. 4 i + 3
+//          and weight 2 i + 1 in bits 16 + 4 i .. 16 + 4 i + 3 (i < 4), so that a pair is one shift
+//          and mask away from the halves of a half2
 //   (s, m) [N, K4, 2] fp16, K4 = K/32 rounded up to a multiple of 4 (16-byte aligned rows)
 //
-// in fp32, where s q is exact: the fp16 values of GGUF blocks of these levels (Q8_0, Q5_0, Q5_1, Q4_0
-// and Q4_1; s may be negative).
+// The weights are made two at a time on fp16 pairs (fma.rn.f16x2), not through fp32 conversions: the
+// GGUF blocks of these levels (Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1; s may be negative) come back as the
+// fp16 values a GGUF file of them loads as.
 //
 // The gemv reads a row in rounds of GEMV_WARPS * GEMV_UNROLL slices of 32 k: in a round, warp w takes
 // slices w + GEMV_WARPS u (u < GEMV_UNROLL), and the lane of quad j the word at k = 8 j of each. A
@@ -104,16 +107,29 @@ struct PackedLane {
     }
 };
 
-// The 8 weights fmaf(s, q_i, m) of a group's scale and minimum, packed as halves: q(i) gives q_i.
-template <typename Q>
-__device__ __forceinline__ uint4 scaled(unsigned scale_min, Q q) {
-    const float s = __half2float(__ushort_as_half((unsigned short)(scale_min & 0xffff)));
-    const float m = __half2float(__ushort_as_half((unsigned short)(scale_min >> 16)));
-    unsigned out[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        out[i] = pack(__float2half_rn(fmaf(q(2 * i), s, m)), __float2half_rn(fmaf(q(2 * i + 1), s, m)));
-    return uint4{out[0], out[1], out[2], out[3]};
+// d = a b + c on both halves of fp16 pairs, rounded once; d = a - b likewise
+__device__ __forceinline__ unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ unsigned sub_f16x2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// The 8 weights fp16(s q_j + m) of a group's (s, m) (s in the low half), packed as halves. pair(i)
+// gives weights 2 i and 2 i + 1 in the low and high half as the bits 0x6400 + c, the fp16 number
+// 1024 + c (fp16's step is 1 there), with c = q + BIAS - 0x6400: subtracting the fp16 number of bits
+// BIAS leaves q exactly.
+template <unsigned BIAS, typename Pair>
+__device__ __forceinline__ uint4 scaled(unsigned scale_min, Pair pair) {
+    const unsigned s = __byte_perm(scale_min, 0, 0x1010), m = __byte_perm(scale_min, 0, 0x3232);
+    const unsigned bias = BIAS | BIAS << 16;
+    return uint4{fma_f16x2(sub_f16x2(pair(0), bias), s, m), fma_f16x2(sub_f16x2(pair(1), bias), s, m),
+                 fma_f16x2(sub_f16x2(pair(2), bias), s, m), fma_f16x2(sub_f16x2(pair(3), bias), s, m)};
 }
 
 // wint8 (BITS 8): q [N, K] int8; wint4 (BITS 4): q [N, K/2] uint8. A word of 8 weights is BITS bytes.
@@ -131,16 +147,18 @@ struct PackedWeights {
         raw.fetch(q + (size_t)row * (K / (8 / BITS)), scale_min + scale_row(row, K), K, first, quad);
         return raw;
     }
-    // wint8: weight j is byte j % 4 of word j / 4; wint4: nibble j % 2 of byte j / 2
+    // wint8: weight j is byte j % 4 of word j / 4, signed: q + 128 goes under 0x64 (fp16 1152 + q);
+    // wint4: a word's nibbles under 0x640 (fp16 1024 + q), as the layout pairs them
     __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {
+        const unsigned scale_min = component(raw.scale_min, u);
         if constexpr (BITS == 8) {
-            const unsigned lo = raw.word(u, 0), hi = raw.word(u, 1);
-            return scaled(component(raw.scale_min, u), [&](int j) {
-                return (float)(signed char)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+            const unsigned lo = raw.word(u, 0) ^ 0x80808080u, hi = raw.word(u, 1) ^ 0x80808080u;
+            return scaled<0x6480>(scale_min, [&](int i) {
+                return __byte_perm(i < 2 ? lo : hi, 0x64646464u, (i & 1) ? 0x4342 : 0x4140);
             });
         } else {
             const unsigned word = raw.word(u, 0);
-            return scaled(component(raw.scale_min, u), [&](int j) { return (float)((word >> (4 * j)) & 15); });
+            return scaled<0x6400>(scale_min, [&](int i) { return ((word >> (4 * i)) & 0x000f000fu) | 0x64006400u; });
         }
     }
 };

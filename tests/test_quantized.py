@@ -55,11 +55,13 @@ def test_dequantized_weights_lie_within_half_a_step_of_the_weights(method: str) 
     assert np.all(back[3, :GROUP] == np.float32(np.float16(0.25)))
 
 
-def test_wint4_packs_two_weights_a_byte_the_lower_k_in_the_low_nibble() -> None:
+def test_wint4_packs_a_words_even_weights_in_its_low_half_and_its_odd_weights_in_its_high_half() -> None:
     w = np.tile(np.arange(GROUP, dtype=np.float32) % 16, (2, 1))  # q = k % 16: s = 1, m = 0 (min 0, max 15)
     packed = quantize(np, w, "wint4", np.float32)
     assert packed.values.dtype == np.uint8 and packed.values.shape == (2, GROUP // 2)
-    assert packed.values[0, 0] == 0x10 and packed.values[0, 7] == 0xfe  # q 0, 1 and 14, 15
+    # words of q 0..7 and 8..15: bits 4 i hold q 2 i, bits 16 + 4 i hold q 2 i + 1 (little-endian bytes)
+    words = packed.values[0, :8].view("<u4")
+    np.testing.assert_array_equal(words, [0x75316420, 0xfdb9eca8])
     np.testing.assert_array_equal(packed.scales[0, 0], np.array([1.0, 0.0], np.float16))
     np.testing.assert_array_equal(dequantize(np, packed), w)
 
@@ -69,7 +71,7 @@ def test_whole_rounds_are_stored_in_the_order_the_gemv_lanes_read_them(method: s
     w = np.tile(np.arange((ROUND + 2) * GROUP, dtype=np.float32) % 16, (2, 1))  # q = k % 16, s = 1, m = 0
     packed = quantize(np, w, method, np.float32)
     word = 8 if method == "wint8" else 4  # bytes of 8 weights
-    q_0_to_7 = np.arange(8, dtype=np.uint8) if method == "wint8" else np.array([0x10, 0x32, 0x54, 0x76], np.uint8)
+    q_0_to_7 = np.arange(8, dtype=np.uint8) if method == "wint8" else np.array([0x20, 0x64, 0x31, 0x75], np.uint8)
     # the lane of warp 1, quad 2 reads slices 1 + 12 u; u = 3: slice 37, k = 37 * 32 + 16 .. + 23 (q 0..7)
     np.testing.assert_array_equal(packed.values[1, word * ((4 * 1 + 2) * 4 + 3):][:word], q_0_to_7)
     # past the whole round, slices in k order: slice 48, quad 0
@@ -102,6 +104,24 @@ def test_wint8_keeps_the_groups_16_levels_hold_and_scales_the_others_symmetrical
     assert (scales[1::3] < 0).any()  # a Q4_0 block whose largest magnitude is positive
     assert (np.abs(q[other]).max(axis=2) == 127).all() and (offsets[other] == 0).all()
     np.testing.assert_array_equal(dequantize(np, packed)[four_bit], w[four_bit].astype(np.float16).astype(np.float32))
+
+
+def _rounded_once(method: str) -> QuantizedWeight:
+    """A packed [16, 64] matrix of zeros but for weight (0, 0): q = 9 with s = 1823 / 2^10, m = 2047 / 2^21
+    (its group's other weights are m). s q + m lies just below the midpoint of fp16's 16.015625 and
+    16.03125: rounded to fp16 once it is the lower; rounded to fp32 first it is the midpoint, whose even
+    neighbour is the upper."""
+    packed = quantize(np, np.zeros((16, 2 * GROUP), np.float32), method, np.float16)
+    packed.scales[0, 0] = [1823 * 2.0 ** -10, 2047 * 2.0 ** -21]
+    packed.values[0, 0] = 9  # wint4: the low nibble of the first byte is weight 0
+    return packed
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+def test_a_packed_weight_is_s_q_plus_m_rounded_to_fp16_once(method: str) -> None:
+    w = dequantize(np, _rounded_once(method))
+    assert w[0, 0] == np.float16(16.015625)
+    assert (w[0, 1:GROUP] == np.float16(2047 * 2.0 ** -21)).all() and not w[0, GROUP:].any() and not w[1:].any()
 
 
 def test_rows_must_be_whole_groups_within_fp16s_range() -> None:
@@ -236,6 +256,22 @@ def test_dequantize_kernel_gives_the_twins_bits(method: str, n: int, k: int) -> 
 
     packed, want = _on_device(_mixed_weights(n, k, seed=n + k), method)
     cupy.testing.assert_array_equal(dequantize(cupy, packed), want)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["wint8", "wint4"])
+def test_packed_kernels_round_each_weight_to_fp16_once(method: str) -> None:
+    """The gemv's weights and the dequantization kernel's are the twin's, where rounding through fp32
+    would differ."""
+    import cupy
+
+    packed = _rounded_once(method)
+    want = cupy.asarray(dequantize(np, packed))
+    on_device = QuantizedWeight(cupy.asarray(packed.values), cupy.asarray(packed.scales), method, np.float16)
+    cupy.testing.assert_array_equal(dequantize(cupy, on_device), want)
+    x = cupy.zeros((1, 2 * GROUP), np.float16)
+    x[0, 0] = 1
+    cupy.testing.assert_array_equal(linear(cupy, x, on_device, np.float32)[:, 0], want[0, :1].astype(np.float32))
 
 
 @gpu

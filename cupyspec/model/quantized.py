@@ -3,8 +3,8 @@ dequantized inside the gemv products (decode and verify steps) and to fp16 befor
 activations, the embedding and the LM head stay as they are.
 
 A packed matrix w [N, K] holds groups of GROUP weights along each row, each group integers q with an
-fp16 scale and minimum (s, m): w = s q + m, evaluated in fp32 (where s q is exact) and rounded to
-fp16. wint4 spans each group's minimum to maximum in 16 levels (q in [0, 15], as GGUF's Q4_1
+fp16 scale and minimum (s, m): w = fp16(s q + m), rounded once from the exact value (as the kernels'
+fma.rn.f16x2 does). wint4 spans each group's minimum to maximum in 16 levels (q in [0, 15], as GGUF's Q4_1
 blocks); wint8 scales it symmetrically (m = 0, q in [-127, 127], as Q8_0). A group that a GGUF
 block of at most as many levels gives exactly keeps that block's levels (Q4_0 and Q4_1, and under
 wint8 Q5_0 and Q5_1 too), so the packed weights of such a file are the fp16 weights it loads as;
@@ -34,7 +34,7 @@ DEQUANTIZE_THREADS = 256
 class QuantizedWeight:
     """A packed matrix [N, K] on the device; `dtype`: what its weights dequantize to (the backend's)."""
 
-    values: Any  # wint8: q [N, K] int8; wint4: [N, K/2] uint8, q of k and k + 1 in the low and high nibble
+    values: Any  # wint8: q [N, K] int8; wint4: [N, K/2] uint8, a word of 8 weights in 4 bytes (`_pack_nibbles`)
     scales: Any  # (s, m) [N, K4, 2] fp16; K4: K/GROUP rounded up to a multiple of 4, zeros past K/GROUP
     # (both in round order, `to_round_order`)
     method: str  # "wint8" | "wint4"
@@ -78,7 +78,7 @@ def quantize(xp: Any, w: np.ndarray, method: str, dtype: Any) -> QuantizedWeight
             todo = np.flatnonzero(~settled & (distinct <= levels))  # groups that may lie on such a grid
             candidates = groups if len(todo) == len(groups) else groups[todo]
             grid_scale, grid_offset, grid_q = make_grid(candidates, levels)
-            exact = (_values(grid_scale, grid_offset, grid_q) == candidates).all(axis=1)  # [len(todo)]
+            exact = (_values(grid_scale, grid_offset, grid_q) == candidates.astype(np.float16)).all(axis=1)
             done = todo[exact]
             scale[done], offset[done], q[done] = grid_scale[exact], grid_offset[exact], grid_q[exact]
             settled[done] = True
@@ -88,15 +88,30 @@ def quantize(xp: Any, w: np.ndarray, method: str, dtype: Any) -> QuantizedWeight
     if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
         raise ValueError(f"{method}: weights beyond fp16's range")
     q = q.reshape(rows, depth)
-    if method == "wint8":
-        values = q.astype(np.int8)
-    else:
-        nibbles = q.astype(np.uint8)
-        values = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    values = q.astype(np.int8) if method == "wint8" else _pack_nibbles(q.astype(np.uint8))
     scales = to_round_order(np.stack([scale, offset], axis=1).reshape(rows, depth // GROUP, 2), 1)
     scales = np.pad(scales, ((0, 0), (0, -scales.shape[1] % 4), (0, 0)))  # 16-byte rows: [N, K4, 2]
     values = to_round_order(_words(values, method)).reshape(rows, -1)
     return QuantizedWeight(xp.asarray(values), xp.asarray(scales), method, np.dtype(dtype))
+
+
+# Which weight of a word of 8 goes in the low and the high nibble of its bytes 0..3: weight 2 i in bits
+# 4 i, weight 2 i + 1 in bits 16 + 4 i (i < 4), so that a shift and a mask give a pair as a half2.
+LOW_NIBBLE, HIGH_NIBBLE = [0, 4, 1, 5], [2, 6, 3, 7]
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [N, K] in [0, 16) as wint4's words: [N, K/2] uint8."""
+    words = q.reshape(q.shape[0], -1, 8)  # [N, K/8, 8]
+    return (words[..., LOW_NIBBLE] | (words[..., HIGH_NIBBLE] << 4)).reshape(q.shape[0], -1)
+
+
+def _unpack_nibbles(xp: Any, values: Any) -> Any:
+    """wint4's words [N, K/2] (k order) back to q [N, K]."""
+    data = values.reshape(values.shape[0], -1, 4)  # [N, K/8, 4 bytes]
+    q = xp.empty((*data.shape[:2], 8), dtype=values.dtype)  # [N, K/8, 8]
+    q[..., LOW_NIBBLE], q[..., HIGH_NIBBLE] = data & 15, data >> 4
+    return q.reshape(values.shape[0], -1)
 
 
 def _words(values: Any, method: str) -> Any:
@@ -159,13 +174,13 @@ FALLBACK_GRIDS = {"wint4": (16, _range_grid), "wint8": (255, _symmetric_grid)}
 
 
 def _values(scale: Any, offset: Any, q: Any) -> Any:
-    """s q + m in fp32 of groups [..., G] with s and m [...] (s q is exact there): the values a GGUF
-    file of such blocks loads as."""
-    return q.astype(np.float32) * scale.astype(np.float32)[..., None] + offset.astype(np.float32)[..., None]
+    """fp16(s q + m) of groups [..., G] with s and m [...]: s q + m is exact in fp64, then rounded once."""
+    exact = q.astype(np.float64) * scale.astype(np.float64)[..., None] + offset.astype(np.float64)[..., None]
+    return exact.astype(np.float16)
 
 
 def dequantize(xp: Any, w: QuantizedWeight) -> Any:
-    """w's weights [N, K] in w.dtype: fp16(s q + m) in fp32; on a GPU the kernel of cuda/gemv_packed.cu."""
+    """w's weights [N, K] in w.dtype: fp16(s q + m); on a GPU the kernel of cuda/gemv_packed.cu."""
     rows, depth = w.shape
     if xp is not np and w.dtype == np.float16:
         out = xp.empty((rows, depth), dtype=np.float16)  # [N, K]
@@ -177,6 +192,6 @@ def dequantize(xp: Any, w: QuantizedWeight) -> Any:
         return out
     values = to_round_order(_words(w.values, w.method), inverse=True).reshape(rows, -1)  # [N, K or K/2] in k order
     scales = to_round_order(w.scales[:, : depth // GROUP], 1, inverse=True)  # [N, K/G, 2]
-    q = values if w.method == "wint8" else xp.stack([values & 15, values >> 4], axis=2).reshape(rows, depth)
+    q = values if w.method == "wint8" else _unpack_nibbles(xp, values)
     weights = _values(scales[..., 0], scales[..., 1], q.reshape(rows, depth // GROUP, GROUP))  # [N, K/G, G]
-    return weights.reshape(rows, depth).astype(np.float16).astype(w.dtype)
+    return weights.reshape(rows, depth).astype(w.dtype)
