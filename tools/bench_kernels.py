@@ -115,7 +115,7 @@ def bench_packed() -> Iterator[Case]:
             while len(copies) * one.nbytes < 2 * l2_bytes:
                 copies.append(one.copy() if packed is None else dataclasses.replace(
                     one, values=one.values.copy(), scales=one.scales.copy()))
-            for m in (1, 8, 64):
+            for m in (1, 8, 16, 64, 256, 512):
                 x = cupy.asarray(np.random.default_rng(m).standard_normal((m, k)), dtype=np.float16)  # [M, K]
                 weights = itertools.cycle(copies)
                 yield Case(f"{name} {method or 'fp16'} M={m} N={n} K={k}", one.nbytes + 2 * m * (n + k), 2 * m * n * k,
