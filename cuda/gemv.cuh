@@ -1,7 +1,7 @@
 // The gemv kernels: matrix products of up to 8 rows (decode and verify steps), streaming each weight
 // once; twins: linear and add_linear in cupyspec/model/linear.py, and the fused steps of
-// cupyspec/model/fused.py. gemm.cu instantiates them over fp16 weights, quantized.cu over packed
-// ones (packed_weights.cuh); the epilogues serve the tiles of gemm_tc.cuh too.
+// cupyspec/model/fused.py. gemm.cu instantiates them over fp16 weights, gemv_packed.cu over packed
+// ones (packed_weights.cuh); the epilogues serve gemm.cu's tiles too.
 //
 // out[m, n] = sum_k x[m, k] * w[n, k]: x [M, K] fp16 and w [N, K] (Hugging Face [out, in] layout),
 // row-major, contiguous, 16-byte aligned, K % 8 == 0 (K % 32 == 0 packed); 1 <= M <= 8, any N >= 1.

@@ -72,21 +72,6 @@ __device__ __forceinline__ size_t scale_row(int row, int K) { return (size_t)row
 
 __device__ __forceinline__ unsigned component(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// Where a packed row of `slices` slices keeps slice `slice`: whole rounds in the gemv lanes' order,
-// the rest in k order. word_position: its word `quad` (k = 32 slice + 8 quad), in words from the row's
-// start; scale_position: its (s, m), in pairs.
-__device__ __forceinline__ bool in_whole_round(int slice, int slices) { return slice - slice % ROUND + ROUND <= slices; }
-
-__device__ __forceinline__ int word_position(int slice, int quad, int slices) {
-    if (!in_whole_round(slice, slices)) return slice * 4 + quad;
-    return (slice - slice % ROUND) * 4 + (4 * (slice % GEMV_WARPS) + quad) * GEMV_UNROLL + slice % ROUND / GEMV_WARPS;
-}
-
-__device__ __forceinline__ int scale_position(int slice, int slices) {
-    if (!in_whole_round(slice, slices)) return slice;
-    return slice - slice % ROUND + slice % GEMV_WARPS * GEMV_UNROLL + slice % ROUND / GEMV_WARPS;
-}
-
 // The packed words (WORD bytes each: 8 weights) and (s, m) of a lane's slices first + GEMV_WARPS u of
 // one row (q and scale_min point at the row's): a whole round's words in 16-byte loads, the rest's
 // one by one in k order.
@@ -99,7 +84,7 @@ struct PackedLane {
     __device__ __forceinline__ void fetch(const unsigned char* q, const unsigned* scale_min_row, int K, int first,
                                           int quad) {
         const int slices = K / 32, round = first - first % GEMV_WARPS, warp = first - round;
-        if (round + ROUND <= slices) {  // word_position and scale_position of slice first (u = 0), unrolled
+        if (round + ROUND <= slices) {
             const unsigned char* at = q + ((size_t)round * 4 + (4 * warp + quad) * GEMV_UNROLL) * WORD;
 #pragma unroll
             for (int i = 0; i < WORD / 4; ++i) words[i] = load_streaming(at + 16 * i);
@@ -162,28 +147,19 @@ struct PackedWeights {
         raw.fetch(q + (size_t)row * (K / (8 / BITS)), scale_min + scale_row(row, K), K, first, quad);
         return raw;
     }
+    // wint8: weight j is byte j % 4 of word j / 4, signed: q + 128 goes under 0x64 (fp16 1152 + q);
+    // wint4: a word's nibbles under 0x640 (fp16 1024 + q), as the layout pairs them
     __device__ __forceinline__ uint4 expand(const Raw& raw, int u) const {
-        return expand_word(raw.word(u, 0), BITS == 8 ? raw.word(u, 1) : 0u, component(raw.scale_min, u));
-    }
-    // The 8 halves of a word (its 32-bit halves low and high; wint4's is low alone) and its group's
-    // (s, m). wint8: weight j is byte j % 4 of low (j < 4) or high, signed: q + 128 goes under 0x64
-    // (fp16 1152 + q); wint4: the word's nibbles under 0x640 (fp16 1024 + q), as the layout pairs them.
-    __device__ static __forceinline__ uint4 expand_word(unsigned low, unsigned high, unsigned scale_min) {
+        const unsigned scale_min = component(raw.scale_min, u);
         if constexpr (BITS == 8) {
-            const unsigned lo = low ^ 0x80808080u, hi = high ^ 0x80808080u;
+            const unsigned lo = raw.word(u, 0) ^ 0x80808080u, hi = raw.word(u, 1) ^ 0x80808080u;
             return scaled<0x6480>(scale_min, [&](int i) {
                 return __byte_perm(i < 2 ? lo : hi, 0x64646464u, (i & 1) ? 0x4342 : 0x4140);
             });
         } else {
-            return scaled<0x6400>(scale_min, [&](int i) { return ((low >> (4 * i)) & 0x000f000fu) | 0x64006400u; });
+            const unsigned word = raw.word(u, 0);
+            return scaled<0x6400>(scale_min, [&](int i) { return ((word >> (4 * i)) & 0x000f000fu) | 0x64006400u; });
         }
-    }
-    // The addresses of row `row`'s word `quad` of slice `slice` and of that slice's (s, m).
-    __device__ __forceinline__ const unsigned char* word_address(int row, int slice, int quad, int slices) const {
-        return q + (size_t)row * (K / (8 / BITS)) + (size_t)word_position(slice, quad, slices) * BITS;
-    }
-    __device__ __forceinline__ const unsigned* scale_address(int row, int slice, int slices) const {
-        return scale_min + scale_row(row, K) + scale_position(slice, slices);
     }
 };
 using Int8Weights = PackedWeights<8>;

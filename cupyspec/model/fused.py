@@ -7,7 +7,7 @@ gemv of norm_qkv_rope, attention, the o product adding into the residual (linear
 gemv of norm_gate_up_swiglu, and the down product adding into the residual. With more rows the
 norm, the product and the epilogue of a norm_* step are kernels of their own. Both do the same
 arithmetic (cuda/decoder.cuh), so a fused step gives the bits of its separate kernels. Matrices are
-fp16 or packed (QuantizedWeight), which the products read as they are.
+fp16 or packed (QuantizedWeight, dequantized to fp16 where a step runs its separate kernels).
 """
 
 from __future__ import annotations

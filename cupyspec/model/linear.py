@@ -10,8 +10,7 @@ Products with fp32 output (the logits) always take the tiles, so a row's logits 
 whether they come with every row of a step or with the few rows that sample. Products into the
 residual stream (`add_linear`) add in the kernels' epilogue; cupyspec/model/fused.py runs the gemv
 kernels that fuse RMSNorm, SwiGLU and RoPE around a product. Packed weights (QuantizedWeight) stay
-packed in the same kernels (cuda/quantized.cu), which give the bits of fp16 products over the
-dequantized weights; only the cuBLAS products (and the NumPy twin) dequantize a matrix first.
+packed in the gemv (cuda/gemv_packed.cu); products of more rows dequantize them first.
 """
 
 from __future__ import annotations
@@ -23,19 +22,19 @@ from typing import Any
 import numpy as np
 
 from cupyspec.kernels import load_kernel, sm_count
-from cupyspec.model.quantized import GROUP, QuantizedWeight, dequantize
+from cupyspec.model.quantized import QuantizedWeight, dequantize
 
 GEMV_MAX_ROWS = 8  # rows up to which the gemv kernel runs
 KERNEL_MAX_ROWS = 2048  # above this, cuBLAS (x @ w.T) runs instead: steps larger than any CUDA graph
 
-GEMV_THREADS = 384  # GEMV_WARPS * 32 in cuda/gemv.cuh
-GEMV_ROWS = 16  # weight rows per gemv block (GEMV_ROWS in cuda/gemv.cuh)
+GEMV_THREADS = 384  # GEMV_WARPS * 32 in cuda/gemm.cu
+GEMV_ROWS = 16  # weight rows per gemv block (GEMV_ROWS in cuda/gemm.cu)
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
 
 
 @dataclass(frozen=True)
 class _Tile:
-    """One gemm_tc shape of cuda/gemm_tc.cuh (its GEMM_TC_SHAPES lines hold the same numbers)."""
+    """One gemm_tc instantiation of cuda/gemm.cu (its GEMM_TC lines hold the same numbers)."""
 
     rows: int  # BM
     cols: int  # BN
@@ -47,16 +46,9 @@ class _Tile:
     def function(self) -> str:
         return f"gemm_tc_{self.rows}x{self.cols}"
 
-    def shared_bytes(self, method: str | None) -> int:
-        """Its dynamic shared memory over fp16 weights (method None) or packed ones: x's stages of padded
-        fp16 rows, then w's (HalfTiles), or a tile of them and stages of packed words and (s, m) (PackedTiles)."""
-        padded_rows = (self.depth + 8) * 2  # bytes
-        x_stages = self.stages * self.rows * padded_rows
-        if method is None:
-            return x_stages + self.stages * self.cols * padded_rows
-        word = 8 if method == "wint8" else 4  # bytes of 8 weights
-        packed_row = self.depth // 8 * word + self.depth // GROUP * 4
-        return x_stages + self.cols * padded_rows + self.stages * self.cols * packed_row
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (self.rows + self.cols) * (self.depth + 8) * 2  # padded fp16 rows
 
     def blocks(self, m: int, n: int) -> int:
         return -(-m // self.rows) * -(-n // self.cols)
@@ -91,15 +83,17 @@ def _aligned(xp: Any, a: Any) -> Any:
 
 
 def _kernels_take(xp: Any, x: Any, w: Any) -> bool:
-    """Whether our kernels run x [M, K] @ w[N, K].T: CuPy fp16 (or packed weights of fp16), K % 8 == 0,
-    M <= KERNEL_MAX_ROWS."""
+    """Whether cuda/gemm.cu runs x [M, K] @ w[N, K].T: CuPy fp16, K % 8 == 0, M <= KERNEL_MAX_ROWS."""
     return (xp is not np and x.dtype == np.float16 and w.dtype == np.float16 and x.shape[1] % 8 == 0
             and x.shape[0] <= KERNEL_MAX_ROWS)
 
 
-def _dense(xp: Any, w: Any) -> Any:
-    """w as a plain matrix [N, K], for the products our kernels do not run: packed weights dequantized."""
-    return dequantize(xp, w) if isinstance(w, QuantizedWeight) else w
+def _unpacked(xp: Any, x: Any, w: Any, epilogue: str) -> Any:
+    """w as the product of x [M, K] reads it: packed where the gemv takes it, else dequantized."""
+    if isinstance(w, QuantizedWeight) and not (gemv_takes(xp, x.shape[0], w) and x.dtype == np.float16
+                                               and epilogue != "f32"):
+        return dequantize(xp, w)
+    return w
 
 
 def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
@@ -113,16 +107,14 @@ def _product(xp: Any, x: Any, w: Any, target: Any, epilogue: str) -> None:
     if target.data.ptr % (2 * target.dtype.itemsize):  # the tiles store pairs of columns
         raise ValueError("the output must start at an even element")
     x = _aligned(xp, x)
-    args = (x, *weight_args(xp, w), target, np.int32(m), np.int32(n), np.int32(k))
     if m <= GEMV_MAX_ROWS and epilogue != "f32":
-        launch_gemv(f"gemv_{epilogue}", w, args)
-        return
-    tile = _pick_tile(m, n, sm_count(x.device.id))
-    method = w.method if isinstance(w, QuantizedWeight) else None
-    shared_bytes = tile.shared_bytes(method)
-    kernel = (_kernel(f"{tile.function}_{epilogue}_{method}", shared_bytes, x.device.id, "quantized") if method
-              else _kernel(f"{tile.function}_{epilogue}", shared_bytes, x.device.id))
-    kernel((-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), args, shared_mem=shared_bytes)
+        launch_gemv(f"gemv_{epilogue}", w, (x, *weight_args(xp, w), target, np.int32(m), np.int32(n), np.int32(k)))
+    else:
+        w = _aligned(xp, w)
+        tile = _pick_tile(m, n, sm_count(x.device.id))
+        _kernel(f"{tile.function}_{epilogue}", tile.shared_bytes, x.device.id)(
+            (-(-m // tile.rows), -(-n // tile.cols)), (tile.threads,), (x, w, target, np.int32(m), np.int32(n),
+                                                                        np.int32(k)), shared_mem=tile.shared_bytes)
 
 
 def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = None) -> Any:
@@ -134,10 +126,11 @@ def linear(xp: Any, x: Any, w: Any, out_dtype: Any = None, out: Any | None = Non
     """
     out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
     m, n = x.shape[0], w.shape[0]
+    w = _unpacked(xp, x, w, "f16" if out_dtype == np.float16 else "f32")
     if out is not None and (out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous [{m}, {n}] {out_dtype} array, not {out.shape} {out.dtype}")
     if not (_kernels_take(xp, x, w) and out_dtype in (np.float16, np.float32)):
-        result = (x @ _dense(xp, w).T).astype(out_dtype, copy=False)  # [M, N]; cuBLAS for CuPy
+        result = (x @ w.T).astype(out_dtype, copy=False)  # [M, N]; cuBLAS for CuPy
         if out is None:
             return result
         out[...] = result
@@ -155,10 +148,11 @@ def add_linear(xp: Any, residual: Any, x: Any, w: Any) -> None:
     """
     if residual.shape != (x.shape[0], w.shape[0]) or residual.dtype != np.float32 or not residual.flags.c_contiguous:
         raise ValueError(f"residual must be a C-contiguous [{x.shape[0]}, {w.shape[0]}] float32 array")
+    w = _unpacked(xp, x, w, "add")
     if _kernels_take(xp, x, w):
         _product(xp, x, w, residual, "add")
     else:
-        residual += (x @ _dense(xp, w).T).astype(x.dtype, copy=False)
+        residual += (x @ w.T).astype(x.dtype, copy=False)
 
 
 def gemv_takes(xp: Any, rows: int, w: Any) -> bool:
@@ -172,8 +166,8 @@ def gemv_takes(xp: Any, rows: int, w: Any) -> bool:
 
 
 def weight_args(xp: Any, w: Any) -> tuple[Any, Any]:
-    """The kernels' (w, scales) arguments: a packed matrix's two arrays, or an fp16 matrix twice (its
-    kernels leave the scales unread)."""
+    """The gemv kernels' (w, scales) arguments: a packed matrix's two arrays, or an fp16 matrix twice
+    (its kernels leave the scales unread)."""
     if isinstance(w, QuantizedWeight):
         return w.values, w.scales
     w = _aligned(xp, w)
@@ -182,8 +176,8 @@ def weight_args(xp: Any, w: Any) -> tuple[Any, Any]:
 
 def launch_gemv(function: str, w: Any, args: tuple) -> None:
     """The gemv kernel `function` over the rows of w [N, K], fp16 (cuda/gemm.cu) or packed
-    (cuda/quantized.cu, `function`_wint8 or _wint4): ceil(N / 16) blocks; args as weight_args gives w."""
+    (cuda/gemv_packed.cu, `function`_wint8 or _wint4): ceil(N / 16) blocks; args as weight_args gives w."""
     packed = isinstance(w, QuantizedWeight)
     device = (w.values if packed else w).device.id
-    kernel = _kernel(f"{function}_{w.method}", 0, device, "quantized") if packed else _kernel(function, 0, device)
+    kernel = _kernel(f"{function}_{w.method}", 0, device, "gemv_packed") if packed else _kernel(function, 0, device)
     kernel((-(-w.shape[0] // GEMV_ROWS),), (GEMV_THREADS,), args)

@@ -1,6 +1,6 @@
-"""Weight-only quantization (`wint8`, `wint4`): a decoder's matrices kept packed on the device and
-dequantized inside the matrix products (cuda/quantized.cu; to fp16 first only for the cuBLAS products
-of prefills larger than any CUDA graph); activations, the embedding and the LM head stay as they are.
+"""Weight-only quantization (`wint8`, `wint4`): a decoder's matrices kept packed on the device,
+dequantized inside the gemv products (decode and verify steps) and to fp16 before larger ones;
+activations, the embedding and the LM head stay as they are.
 
 A packed matrix w [N, K] holds groups of GROUP weights along each row, each group integers q with an
 fp16 scale and minimum (s, m): w = fp16(s q + m), rounded once from the exact value (as the kernels'
@@ -180,13 +180,13 @@ def _values(scale: Any, offset: Any, q: Any) -> Any:
 
 
 def dequantize(xp: Any, w: QuantizedWeight) -> Any:
-    """w's weights [N, K] in w.dtype: fp16(s q + m); on a GPU the kernel of cuda/quantized.cu."""
+    """w's weights [N, K] in w.dtype: fp16(s q + m); on a GPU the kernel of cuda/gemv_packed.cu."""
     rows, depth = w.shape
     if xp is not np and w.dtype == np.float16:
         out = xp.empty((rows, depth), dtype=np.float16)  # [N, K]
         lanes = rows * -(-depth // (GROUP * ROUND)) * WARPS * 4  # each expands a gemv lane's 4 x 8 weights
         if lanes:
-            load_kernel("quantized", f"dequantize_{w.method}")(
+            load_kernel("gemv_packed", f"dequantize_{w.method}")(
                 (-(-lanes // DEQUANTIZE_THREADS),), (DEQUANTIZE_THREADS,),
                 (w.values, w.scales, out, np.int32(rows), np.int32(depth)))
         return out

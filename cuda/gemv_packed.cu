@@ -1,16 +1,12 @@
-// Weight-only quantization's kernels (twins: cupyspec/model/quantized.py and linear.py): the matrix
-// products of gemm.cu over packed weights (entry points gemv_*_wint8, gemm_tc_*_wint8 and the same for
-// wint4), and the dequantization of a whole matrix to fp16 for products of more rows than the tiles
-// take, which run on fp16 weights.
+// Weight-only quantization's kernels (twins: cupyspec/model/quantized.py and linear.py): the gemv
+// products of gemv.cuh over packed weights (entry points gemv_*_wint8, gemv_*_wint4), and the
+// dequantization of a whole matrix to fp16 for products of more rows, which then run on fp16 weights.
 
-#include "gemm_tc.cuh"
+#include "gemv.cuh"
 
 // two blocks an SM: the packed lanes' registers would otherwise leave room for one
 GEMV_ENTRY_POINTS(_wint8, Int8Weights, __launch_bounds__(GEMV_WARPS * 32, 2))
 GEMV_ENTRY_POINTS(_wint4, Int4Weights, __launch_bounds__(GEMV_WARPS * 32, 2))
-
-GEMM_TC_SHAPES(Int8Tiles, _wint8)
-GEMM_TC_SHAPES(Int4Tiles, _wint4)
 
 // out [N, K] fp16 = the weights of a packed matrix; grid: ceil(N lanes / 256) blocks of 256 threads,
 // lanes = ceil(K / 32 / ROUND) GEMV_WARPS 4 per row: each thread expands what a gemv lane reads of a
