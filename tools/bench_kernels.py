@@ -93,8 +93,9 @@ def bench_linear() -> Iterator[Case]:
 
 def bench_packed() -> Iterator[Case]:
     """x @ w.T with weight-only quantization (cupyspec.model.quantized) against fp16, on matrices of an
-    8B llama (down [4096, 14336], gate_up [28672, 4096]), where reading the weights bounds a decode
-    step; the bytes are the weights in each format. Each format's copies fill the L2 cache twice."""
+    8B llama (down [4096, 14336], gate_up [28672, 4096]), from one row, where reading the weights bounds
+    a decode step, to 512 (a prefill's); the bytes are the weights in each format. Each format's copies
+    fill the L2 cache twice."""
     import dataclasses
     import itertools
 
