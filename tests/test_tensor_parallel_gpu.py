@@ -5,6 +5,7 @@ differently) on a random model worth splitting, with and without an MTP head."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import numpy as np
 import pytest
@@ -67,7 +68,10 @@ def test_nccl_sums_and_gathers_uneven_widths_in_and_out_of_a_cuda_graph(two_gpus
             stream.synchronize()
         return summed.get(), gathered.get(), replayed.get()
 
-    for summed, gathered, replayed in RankThreads(groups, select_backend("cuda")).map(work):
+    threads = RankThreads(groups, select_backend("cuda"))
+    results = threads.map(work)
+    threads.close()  # the graph went with `work`: the communicators can go
+    for summed, gathered, replayed in results:
         np.testing.assert_array_equal(summed, base * 3)
         np.testing.assert_array_equal(gathered, np.repeat([[1] * 5 + [2] * 3], 3, axis=0))
         np.testing.assert_array_equal(replayed, base * 3)
@@ -94,6 +98,35 @@ async def _answers(model: str, size: int, speculative: SpeculativeConfig, cuda_g
         await engine.shutdown()
 
 
+def test_a_failing_rank_fails_the_requests_and_frees_the_group(two_gpus, random_model):
+    """Rank 1 raising before it launches a graphed step leaves rank 0's graph waiting at a collective
+    on its GPU: rank 0's communicator is aborted, the step fails, every request ends with the engine's
+    error, shutdown frees the group once the graphs are gone, and a new group then serves."""
+    from cupyspec.engine import AsyncEngine
+    from cupyspec.errors import EngineClosedError
+
+    model, _ = random_model
+
+    async def main():
+        engine = await AsyncEngine.create(EngineConfig(model=model, device="cuda", tensor_parallel_size=2,
+                                                       cache=CacheConfig(kv_cache_memory_bytes=1 << 30)))
+
+        def broken(inputs):
+            raise RuntimeError("rank 1 failed")
+
+        engine.runner.runners[1].launch = broken
+        try:
+            with pytest.raises(EngineClosedError, match="rank 1 failed"):
+                async for _ in engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8)):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    answers = asyncio.run(_answers(model, 2, SpeculativeConfig()))
+    assert [len(tokens) for tokens, _, _ in answers] == [64] * len(PROMPTS)
+
+
 @pytest.mark.parametrize("method,cuda_graphs", [(None, True), (None, False), ("mtp", True)])
 def test_two_gpus_give_one_gpus_greedy_outputs(two_gpus, random_model, method, cuda_graphs):
     model, head = random_model
@@ -102,6 +135,7 @@ def test_two_gpus_give_one_gpus_greedy_outputs(two_gpus, random_model, method, c
         if method == "mtp" else SpeculativeConfig()
     one = asyncio.run(_answers(model, 1, SpeculativeConfig()))
     two = asyncio.run(_answers(model, 2, speculative, cuda_graphs))
+    gc.collect()  # what the engines left to the collector goes now, not in the next test's load
     assert_equal_up_to_near_ties([tokens for tokens, _, _ in two], one)
     for (tokens, entries, _), (want_tokens, want_entries, _) in zip(two, one):
         same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), len(tokens))

@@ -28,7 +28,6 @@ from cupyspec.loader import LoadedModel, load_model
 from cupyspec.metrics import EngineMetrics
 from cupyspec.model.cuda_graphs import LOGIT_ROWS
 from cupyspec.model.linear import KERNEL_MAX_ROWS
-from cupyspec.parallel.runner import ParallelRunner
 from cupyspec.sampling.params import SamplingParams
 from cupyspec.sampling.uniforms import sampling_key
 from cupyspec.scheduling.block_manager import BlockManager
@@ -277,5 +276,4 @@ class AsyncEngine(HandoffRoles):
         self.held_prompts.release_all()
         if self.kv_agent is not None:
             self.kv_agent.close()
-        if isinstance(self.runner, ParallelRunner):
-            self.runner.close()
+        self.runner.close()

@@ -108,6 +108,16 @@ class ModelRunner:
         self.logprob_graphs = (LogprobGraphs(xp, self.graphs.logits, speculative.num_speculative_tokens)
                                if self.graphs is not None else None)
 
+    def close(self) -> None:
+        """Destroy the forward pass's and the MTP head's CUDA graphs (CUDA frees one still running when
+        it ends): a tensor-parallel group frees its communicators only after the graphs holding their
+        collectives."""
+        if self.graphs is None:
+            return
+        if self.draft_graphs is not None:
+            self.draft_graphs.close()
+        self.graphs.close()
+
     @functools.cached_property
     def renderer(self) -> LogprobRenderer:
         """Renders chat logprob entries; its vocabulary table is built on first use (the texts of

@@ -116,6 +116,10 @@ class CudaGraphs:
         log.info("captured %d CUDA graphs for steps of up to %d rows (%.0f MiB of activations)",
                  len(self.graphs), rows, self.pool.total_bytes() / 2**20)
 
+    def close(self) -> None:
+        """Destroy the graphs (CUDA frees one still running when it ends); the buffers stay."""
+        self.graphs.clear()
+
     def _forward(self, bucket: int) -> None:
         ids, positions, batch_ids, slots = (self.tokens[f, :bucket] for f in range(TOKEN_FIELDS))
         if self.catch_up is not None:

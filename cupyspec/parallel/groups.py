@@ -34,6 +34,9 @@ class Group(Protocol):
     def abort(self) -> None:
         """Release the ranks waiting at a collective that a failed rank will never reach."""
 
+    def close(self) -> None:
+        """Free the communicator's resources, once no rank will call it again."""
+
 
 class _Rendezvous:
     """Where the threads of one group leave their arrays and wait for one another."""
@@ -58,6 +61,9 @@ class ThreadGroup:
     def abort(self) -> None:
         """Break the rendezvous: the others' waits raise threading.BrokenBarrierError."""
         self._meet.barrier.abort()
+
+    def close(self) -> None:
+        """Nothing to free: the rendezvous is the threads' Python objects."""
 
     def _exchange(self, x: Any) -> list[Any]:
         """Every rank's x, once all have left theirs; the slots are free again when this returns on
@@ -87,8 +93,8 @@ class NcclGroup:
     calls from its own thread, with its GPU current. NCCL sums in an order of its own, but every
     rank receives the same sum."""
 
-    def __init__(self, communicator: Any, rank: int, size: int) -> None:
-        self._comm, self.rank, self.size = communicator, rank, size
+    def __init__(self, communicator: Any, rank: int, size: int, device: int) -> None:
+        self._comm, self.rank, self.size, self.device = communicator, rank, size, device
 
     @classmethod
     def create(cls, devices: Sequence[int]) -> list[NcclGroup]:
@@ -98,7 +104,8 @@ class NcclGroup:
         from cupy.cuda import nccl
 
         communicators = nccl.NcclCommunicator.initAll(list(devices))
-        return [cls(communicator, rank, len(devices)) for rank, communicator in enumerate(communicators)]
+        return [cls(communicator, rank, len(devices), devices[rank])
+                for rank, communicator in enumerate(communicators)]
 
     def all_reduce(self, x: Any) -> None:
         from cupy.cuda import get_current_stream, nccl
@@ -123,9 +130,23 @@ class NcclGroup:
         return cupy.concatenate([gathered[r, :, :w] for r, w in enumerate(widths)], axis=1)
 
     def abort(self) -> None:
-        """Abort the communicator: NCCL work queued on any rank's GPU ends with an error instead of
-        waiting for this rank."""
-        self._comm.abort()
+        """Abort the communicator, its GPU current: this rank's NCCL work on its GPU ends instead of
+        waiting for its peers. The last of a process's communicators to be aborted or destroyed frees
+        them all, after waiting until every CUDA graph that captured a collective on any of them is
+        destroyed: so the graphs go first (RankThreads.abort and close)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            self._comm.abort()
+
+    def close(self) -> None:
+        """Destroy the communicator (nothing left to do once aborted), its GPU current; the last to go
+        waits for the CUDA graphs as `abort` says. Left to the garbage collector, a communicator could
+        go before its graphs and hang the process."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            self._comm.destroy()
 
 
 @functools.cache

@@ -72,20 +72,30 @@ class RankThreads:
         except BaseException as exc:
             with self._lock:
                 self.failure = self.failure or exc
-            self.abort()
+            self.abort(rank)
             raise
 
-    def abort(self) -> None:
-        """Abort every rank's communicator, once: the group is of no further use."""
+    def abort(self, failed: int) -> None:
+        """Abort the communicators of every rank but `failed`, once: their work stops waiting at a
+        collective that the failed rank may never reach, and the group is of no further use. The
+        failed rank's own is aborted by `close`, after the CUDA graphs: NCCL frees a process's
+        communicators when the last of them is aborted, and first waits for every graph that holds
+        their collectives to be destroyed."""
         with self._lock:
             if self._aborted:
                 return
             self._aborted = True
-        for group in self.groups:
-            if group is not None:
+        for rank, group in enumerate(self.groups):
+            if group is not None and rank != failed:
                 group.abort()
 
     def close(self) -> None:
-        """End the ranks' threads."""
+        """Free the communicators (aborting what a failure left) and end the ranks' threads; any CUDA
+        graph that holds their collectives must be destroyed first."""
+        for group in self.groups:
+            if group is not None and self._aborted:
+                group.abort()
+            elif group is not None:
+                group.close()
         for thread in self._threads:
             thread.shutdown(wait=False)

@@ -43,4 +43,7 @@ class ParallelRunner:
         return outputs
 
     def close(self) -> None:
+        """Every rank's CUDA graphs destroyed, then the communicators (NCCL frees them only once no
+        graph holds their collectives), then the ranks' threads ended."""
+        self.threads.map(lambda rank: self.runners[rank].close())
         self.threads.close()

@@ -61,6 +61,11 @@ class DraftGraphs:
         stream.synchronize()
         log.info("captured %d MTP drafting graphs for up to %d sequences", len(self.graphs), size)
 
+    def close(self) -> None:
+        """Destroy the graphs (CUDA frees one still running when it ends)."""
+        self.graphs.clear()
+        self.mend_graphs.clear()
+
     def _boundaries(self, count: int) -> tuple[Any, ...]:
         """`MTPDrafting.draft`'s inputs for the first `count` entries, from the static buffers."""
         import cupy
