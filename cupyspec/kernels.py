@@ -44,13 +44,17 @@ def _headers_digest() -> str:
     return digest.hexdigest()
 
 
-def _compile(xp: Any, name: str) -> Any:
+@functools.cache
+def _module(name: str) -> Any:
+    """`cuda/<name>.cu` compiled, once per process (CuPy's disk cache keeps its binary across processes)."""
+    import cupy
+
     path = cuda_source_dir() / f"{name}.cu"
     try:
-        module = xp.RawModule(code=module_source(name), options=("-std=c++17", f"-I{cuda_source_dir()}"),
-                              name_expressions=None)
+        module = cupy.RawModule(code=module_source(name), options=("-std=c++17", f"-I{cuda_source_dir()}"),
+                                name_expressions=None)
         module.compile()
-    except xp.cuda.compiler.CompileException as exc:  # name our file, not NVRTC's temporary copy
+    except cupy.cuda.compiler.CompileException as exc:  # name our file, not NVRTC's temporary copy
         message = re.sub(r"\S+\.cubin\.cu", str(path), str(exc))
         raise RuntimeError(f"compiling {path} failed:\n{message}") from None
     return module
@@ -58,10 +62,8 @@ def _compile(xp: Any, name: str) -> Any:
 
 @functools.cache
 def load_kernel(name: str, function: str) -> Kernel:
-    """The kernel `function` of `cuda/<name>.cu` (compiled and cached on first use)."""
-    import cupy
-
-    return Kernel(_compile(cupy, name).get_function(function))
+    """The kernel `function` of `cuda/<name>.cu`."""
+    return Kernel(_module(name).get_function(function))
 
 
 @functools.cache
