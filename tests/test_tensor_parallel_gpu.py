@@ -127,6 +127,31 @@ def test_a_failing_rank_fails_the_requests_and_frees_the_group(two_gpus, random_
     assert [len(tokens) for tokens, _, _ in answers] == [64] * len(PROMPTS)
 
 
+def test_a_rank_failing_to_capture_its_graphs_fails_the_start(two_gpus, random_model, monkeypatch):
+    """Rank 1 raising while the ranks capture their CUDA graphs: the engine's creation raises its
+    error (the graphs already captured go before the communicators), and a new group then serves."""
+    import cupy
+
+    from cupyspec.engine import AsyncEngine
+    from cupyspec.model.cuda_graphs import CudaGraphs
+
+    model, _ = random_model
+    capture = CudaGraphs._forward
+
+    def failing_on_rank_1(self, bucket):
+        if cupy.cuda.Device().id == 1 and self.graphs:
+            raise RuntimeError("rank 1 failed to capture")
+        capture(self, bucket)
+
+    monkeypatch.setattr(CudaGraphs, "_forward", failing_on_rank_1)
+    with pytest.raises(RuntimeError, match="rank 1 failed to capture"):
+        asyncio.run(AsyncEngine.create(EngineConfig(model=model, device="cuda", tensor_parallel_size=2,
+                                                    cache=CacheConfig(kv_cache_memory_bytes=1 << 30))))
+    monkeypatch.undo()
+    answers = asyncio.run(_answers(model, 2, SpeculativeConfig()))
+    assert [len(tokens) for tokens, _, _ in answers] == [64] * len(PROMPTS)
+
+
 @pytest.mark.parametrize("method,cuda_graphs", [(None, True), (None, False), ("mtp", True)])
 def test_two_gpus_give_one_gpus_greedy_outputs(two_gpus, random_model, method, cuda_graphs):
     model, head = random_model

@@ -9,6 +9,8 @@ the K/V of its heads for every block the scheduler hands out.
 
 from __future__ import annotations
 
+import traceback
+
 from cupyspec.backend import Backend
 from cupyspec.config import EngineConfig
 from cupyspec.engine.runner import ModelRunner
@@ -55,7 +57,9 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, backend: Backend, mt
         placed = threads.map(place)
         num_blocks = min(blocks for _, _, blocks in placed)
         runners = threads.map(make_runner)
-    except BaseException:
+    except BaseException as exc:
+        # the frames' locals hold what the ranks built: the CUDA graphs go before the communicators
+        traceback.clear_frames(exc.__traceback__)
         threads.close()
         raise
     if size == 1:
