@@ -78,9 +78,7 @@ class RankThreads:
     def abort(self, failed: int) -> None:
         """Abort the communicators of every rank but `failed`, once: their work stops waiting at a
         collective that the failed rank may never reach, and the group is of no further use. The
-        failed rank's own is aborted by `close`, after the CUDA graphs: NCCL frees a process's
-        communicators when the last of them is aborted, and first waits for every graph that holds
-        their collectives to be destroyed."""
+        failed rank's own is aborted by `close`, after the CUDA graphs (NcclGroup.abort says why)."""
         with self._lock:
             if self._aborted:
                 return
