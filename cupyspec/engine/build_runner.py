@@ -9,8 +9,6 @@ the K/V of its heads for every block the scheduler hands out.
 
 from __future__ import annotations
 
-import traceback
-
 from cupyspec.backend import Backend
 from cupyspec.config import EngineConfig
 from cupyspec.engine.runner import ModelRunner
@@ -57,9 +55,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, backend: Backend, mt
         placed = threads.map(place)
         num_blocks = min(blocks for _, _, blocks in placed)
         runners = threads.map(make_runner)
-    except BaseException as exc:
-        # the frames' locals hold what the ranks built: the CUDA graphs go before the communicators
-        traceback.clear_frames(exc.__traceback__)
+    except BaseException:
         threads.close()
         raise
     if size == 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -89,11 +90,16 @@ class RankThreads:
 
     def close(self) -> None:
         """Free the communicators (aborting what a failure left) and end the ranks' threads; any CUDA
-        graph that holds their collectives must be destroyed first."""
+        graph that holds their collectives must be destroyed first. A failure's frames may hold graphs
+        that no runner does (a rank's, captured before it failed to build): they are cleared first."""
+        if self.failure is not None:
+            traceback.clear_frames(self.failure.__traceback__)
         for group in self.groups:
-            if group is not None and self._aborted:
+            if group is None:
+                continue
+            if self._aborted:
                 group.abort()
-            elif group is not None:
+            else:
                 group.close()
         for thread in self._threads:
             thread.shutdown(wait=False)
