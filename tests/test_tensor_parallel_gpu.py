@@ -77,12 +77,17 @@ def test_nccl_sums_and_gathers_uneven_widths_in_and_out_of_a_cuda_graph(two_gpus
         np.testing.assert_array_equal(replayed, base * 3)
 
 
+def _config(model: str, size: int, speculative: SpeculativeConfig | None = None,
+            cuda_graphs: bool = True) -> EngineConfig:
+    return EngineConfig(model=model, device="cuda", tensor_parallel_size=size,
+                        speculative=speculative or SpeculativeConfig(), cuda_graphs=cuda_graphs,
+                        cache=CacheConfig(kv_cache_memory_bytes=1 << 30))
+
+
 async def _answers(model: str, size: int, speculative: SpeculativeConfig, cuda_graphs: bool = True) -> list:
     from cupyspec.engine import AsyncEngine
 
-    engine = await AsyncEngine.create(EngineConfig(
-        model=model, device="cuda", tensor_parallel_size=size, speculative=speculative, cuda_graphs=cuda_graphs,
-        cache=CacheConfig(kv_cache_memory_bytes=1 << 30)))
+    engine = await AsyncEngine.create(_config(model, size, speculative, cuda_graphs))
     params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2, ignore_eos=True)
 
     async def answer(prompt: str):
@@ -98,6 +103,11 @@ async def _answers(model: str, size: int, speculative: SpeculativeConfig, cuda_g
         await engine.shutdown()
 
 
+def _assert_a_new_group_serves(model: str) -> None:
+    answers = asyncio.run(_answers(model, 2, SpeculativeConfig()))
+    assert [len(tokens) for tokens, _, _ in answers] == [64] * len(PROMPTS)
+
+
 def test_a_failing_rank_fails_the_requests_and_frees_the_group(two_gpus, random_model):
     """Rank 1 raising before it launches a graphed step leaves rank 0's graph waiting at a collective
     on its GPU: rank 0's communicator is aborted, the step fails, every request ends with the engine's
@@ -108,8 +118,7 @@ def test_a_failing_rank_fails_the_requests_and_frees_the_group(two_gpus, random_
     model, _ = random_model
 
     async def main():
-        engine = await AsyncEngine.create(EngineConfig(model=model, device="cuda", tensor_parallel_size=2,
-                                                       cache=CacheConfig(kv_cache_memory_bytes=1 << 30)))
+        engine = await AsyncEngine.create(_config(model, 2))
 
         def broken(inputs):
             raise RuntimeError("rank 1 failed")
@@ -123,8 +132,7 @@ def test_a_failing_rank_fails_the_requests_and_frees_the_group(two_gpus, random_
             await engine.shutdown()
 
     asyncio.run(main())
-    answers = asyncio.run(_answers(model, 2, SpeculativeConfig()))
-    assert [len(tokens) for tokens, _, _ in answers] == [64] * len(PROMPTS)
+    _assert_a_new_group_serves(model)
 
 
 def test_a_rank_failing_to_capture_its_graphs_fails_the_start(two_gpus, random_model, monkeypatch):
@@ -145,11 +153,9 @@ def test_a_rank_failing_to_capture_its_graphs_fails_the_start(two_gpus, random_m
 
     monkeypatch.setattr(CudaGraphs, "_forward", failing_on_rank_1)
     with pytest.raises(RuntimeError, match="rank 1 failed to capture"):
-        asyncio.run(AsyncEngine.create(EngineConfig(model=model, device="cuda", tensor_parallel_size=2,
-                                                    cache=CacheConfig(kv_cache_memory_bytes=1 << 30))))
+        asyncio.run(AsyncEngine.create(_config(model, 2)))
     monkeypatch.undo()
-    answers = asyncio.run(_answers(model, 2, SpeculativeConfig()))
-    assert [len(tokens) for tokens, _, _ in answers] == [64] * len(PROMPTS)
+    _assert_a_new_group_serves(model)
 
 
 @pytest.mark.parametrize("method,cuda_graphs", [(None, True), (None, False), ("mtp", True)])
